@@ -1,0 +1,1 @@
+"""pyro_flat.transforms."""

@@ -1,0 +1,45 @@
+"""Shared test configuration.
+
+* Statistical tests run in float64 (the default dtype here); tests that need float32 ask for it.
+* Pyro's parameter store is cleared and validation is on before every test; every test starts from seed 0
+  unless it is marked ``@pytest.mark.init(rng_seed=...)``.
+* ``CI=1`` is set so tutorials and examples run in their fast smoke mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyro
+import pytest
+import torch
+
+os.environ.setdefault("CI", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "init(rng_seed): the seed applied before the test (default 0)")
+
+
+@pytest.fixture(autouse=True)
+def _pyro_state(request: pytest.FixtureRequest):
+    marker = request.node.get_closest_marker("init")
+    seed = marker.kwargs.get("rng_seed", 0) if marker else 0
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    pyro.clear_param_store()
+    pyro.enable_validation(True)
+    pyro.set_rng_seed(seed)
+    yield
+    torch.set_default_dtype(old_dtype)
+    pyro.clear_param_store()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
