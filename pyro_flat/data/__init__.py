@@ -1,1 +1,46 @@
-"""pyro_flat.data."""
+"""Data for pyro_flat: in-memory datasets, bundled real data, toy targets with known answers, local image datasets.
+
+* :mod:`~pyro_flat.data.datasets`: :class:`ClassificationData`, :class:`RegressionData` (train/test tensors,
+  ``num_data``, minibatch loaders, class subsets and few-shot tasks).
+* :mod:`~pyro_flat.data.real`: scikit-learn's digits and MNIST-1D, both without download (extra ``[bench]``).
+* :mod:`~pyro_flat.data.toy`: two moons, heteroscedastic 1-D regression, and targets with exact answers
+  (:class:`SharpFlatEnergy`, :class:`BayesianLinearRegression`, :class:`GaussianTarget`).
+* :mod:`~pyro_flat.data.vision`: CIFAR-10/100, SVHN, MNIST, FashionMNIST read from a local folder (extra
+  ``[vision]``).
+
+Importing this package imports only torch, numpy and Pyro; the optional packages are imported by the loaders that
+need them.
+"""
+
+from .datasets import ClassificationData, RegressionData
+from .real import feature_shuffled, load_dataset, load_digits, load_mnist1d
+from .toy import (
+    BayesianLinearRegression,
+    GaussianTarget,
+    SharpFlatEnergy,
+    heteroscedastic_mean,
+    heteroscedastic_noise_std,
+    heteroscedastic_regression,
+    two_moons,
+)
+from .vision import VISION_DATASETS, LocalImageDataset, load_vision_dataset, vision_num_data
+
+__all__ = [
+    "ClassificationData",
+    "RegressionData",
+    "load_digits",
+    "load_mnist1d",
+    "load_dataset",
+    "feature_shuffled",
+    "two_moons",
+    "heteroscedastic_regression",
+    "heteroscedastic_mean",
+    "heteroscedastic_noise_std",
+    "SharpFlatEnergy",
+    "BayesianLinearRegression",
+    "GaussianTarget",
+    "load_vision_dataset",
+    "vision_num_data",
+    "LocalImageDataset",
+    "VISION_DATASETS",
+]

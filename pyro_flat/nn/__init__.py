@@ -1,1 +1,26 @@
-"""pyro_flat.nn."""
+"""Bayesian networks as Pyro models, and tools to turn torch networks Bayesian."""
+
+from .batchnorm import has_batchnorm, refresh_batchnorm
+from .bayesian import NORM_LAYERS, head_module_name, init_to_network, latent_init_values, make_bayesian
+from .models import (
+    BayesianClassifier,
+    BayesianCNN,
+    BayesianMLP,
+    BayesianRegressionMLP,
+    BayesianRegressor,
+)
+
+__all__ = [
+    "NORM_LAYERS",
+    "BayesianCNN",
+    "BayesianClassifier",
+    "BayesianMLP",
+    "BayesianRegressionMLP",
+    "BayesianRegressor",
+    "has_batchnorm",
+    "head_module_name",
+    "init_to_network",
+    "latent_init_values",
+    "make_bayesian",
+    "refresh_batchnorm",
+]

@@ -1,0 +1,84 @@
+"""Hyperparameters of a harness run, with the ``quick`` and ``full`` presets."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Shared hyperparameters of every method in a harness run.
+
+    :param model: model builder name (``"mlp"`` or ``"cnn"``).
+    :param hidden: hidden widths (MLP) or conv channels (CNN).
+    :param prior_scale: prior standard deviation of every weight, :math:`p(\\theta)=\\mathcal N(0, s^2 I)`.
+    :param num_epochs: passes over the training set (steps = epochs x ceil(N / batch_size)).
+    :param batch_size: minibatch size :math:`B` (drawn inside the model by ``pyro.plate(subsample_size=B)``).
+    :param lr: Adam learning rate for the SVI/MAP-based methods.
+    :param num_bma_samples: posterior draws averaged for prediction (30, as in the F-BNN and SWAG code).
+    :param ensemble_size: members of a deep ensemble.
+    :param dropout: dropout probability of the MC-Dropout methods.
+    :param vi_init_scale: initial standard deviation of the mean-field guides.
+    :param lambda_max_draws: posterior draws at which the top Hessian eigenvalue is measured (their mean is
+        reported).
+    :param lambda_max_points: training points in the loss whose Hessian is measured.
+    :param lambda_max_iters: power iterations for :math:`\\lambda_{\\max}`.
+    :param device: torch device of the run.
+    :param dtype: ``"float32"`` or ``"float64"``.
+    :param options: per-method overrides, e.g. ``{"f_vi": {"rho": 0.1}}``; read with ``Problem.option``.
+    """
+
+    model: str = "mlp"
+    hidden: tuple[int, ...] = (256, 256)
+    prior_scale: float = 1.0
+    num_epochs: int = 100
+    batch_size: int = 128
+    lr: float = 1e-3
+    num_bma_samples: int = 30
+    ensemble_size: int = 5
+    dropout: float = 0.1
+    vi_init_scale: float = 1e-3
+    lambda_max_draws: int = 3
+    lambda_max_points: int = 512
+    lambda_max_iters: int = 30
+    device: str = "cpu"
+    dtype: str = "float32"
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive_ints = ("num_epochs", "batch_size", "num_bma_samples", "ensemble_size", "lambda_max_draws",
+                         "lambda_max_points", "lambda_max_iters")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"RunConfig.{name} must be a positive int, got {value!r}")
+        for name in ("prior_scale", "lr", "vi_init_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"RunConfig.{name} must be a number > 0, got {value!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"RunConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"RunConfig.dtype must be 'float32' or 'float64', got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, RunConfig] = {
+    # a few minutes for every registered method on one dataset and one seed on 2 CPU cores
+    "quick": RunConfig(num_epochs=30, num_bma_samples=10, ensemble_size=3, lambda_max_draws=2, lambda_max_iters=20),
+    # the configuration behind the committed result tables
+    "full": RunConfig(),
+}

@@ -1,0 +1,134 @@
+"""Tables (mean ± std over seeds), JSON and reliability-diagram plots of harness runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyro
+import torch
+
+from ..data import ClassificationData
+from .config import RunConfig
+from .registry import METHODS
+from .runner import RunRecord
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    # (metric key, header, format)
+    ("acc", "acc (%)", "{:.2f}"),
+    ("nll", "NLL", "{:.4f}"),
+    ("ece", "ECE", "{:.4f}"),
+    ("brier", "Brier", "{:.4f}"),
+    ("ood_auroc_entropy", "OOD AUROC", "{:.3f}"),
+    ("lambda_max", "λ_max", "{:.3g}"),
+    ("fit_seconds", "fit (s)", "{:.1f}"),
+)
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One row per (dataset, method): mean and sample standard deviation over seeds of every metric."""
+    groups: dict[tuple[str, str], list[RunRecord]] = {}
+    for r in records:
+        groups.setdefault((r.dataset, r.method), []).append(r)
+    rows = []
+    for (dataset, method), rs in groups.items():
+        row: dict[str, Any] = {"dataset": dataset, "method": method, "seeds": [r.seed for r in rs]}
+        keys = list(rs[0].metrics) + ["fit_seconds"]
+        for key in keys:
+            values = [r.fit_seconds if key == "fit_seconds" else r.metrics[key] for r in rs]
+            if key == "acc":
+                values = [100 * v for v in values]
+            row[key] = _mean_std(values)
+        rows.append(row)
+    return rows
+
+
+def markdown_table(records: Sequence[RunRecord]) -> str:
+    """A markdown table, one block per dataset; std over seeds after ±."""
+    rows = summarise(records)
+    lines = []
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        seeds = next(r["seeds"] for r in rows if r["dataset"] == dataset)
+        lines.append(f"**{dataset}** ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}: {seeds})\n")
+        lines.append("| method | " + " | ".join(h for _, h, _ in COLUMNS) + " |")
+        lines.append("|---" * (len(COLUMNS) + 1) + "|")
+        for row in (r for r in rows if r["dataset"] == dataset):
+            cells = []
+            for key, _, fmt in COLUMNS:
+                if key not in row:
+                    cells.append("–")
+                    continue
+                mean, std = row[key]
+                cells.append(fmt.format(mean) + ("" if math.isnan(std) else " ± " + fmt.format(std)))
+            lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, command: str) -> None:
+    """Every per-seed record, the summary, the configuration and the environment, as JSON."""
+    payload = {
+        "command": command,
+        "config": config.to_dict(),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "pyro": pyro.__version__,
+            "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+        "methods": {m: METHODS[m].description for m in dict.fromkeys(r.method for r in records)},
+        "records": [
+            {
+                "dataset": r.dataset,
+                "method": r.method,
+                "seed": r.seed,
+                "fit_seconds": r.fit_seconds,
+                "metrics": r.metrics,
+                "losses": r.info.get("losses", []),
+            }
+            for r in records
+        ],
+        "summary": summarise(records),
+    }
+    path.write_text(json.dumps(payload, indent=1))
+
+
+def plot_reliability(path: Path, records: Sequence[RunRecord], data: ClassificationData, num_bins: int = 15) -> None:
+    """One reliability diagram per method (first seed) for one dataset, side by side, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..metrics import reliability_diagram
+
+    firsts: dict[str, RunRecord] = {}
+    for r in records:
+        if r.test_probs is not None:
+            firsts.setdefault(r.method, r)
+    if not firsts:
+        return
+    cols = min(4, len(firsts))
+    rows = math.ceil(len(firsts) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    y = data.y_test.cpu()
+    for ax, (method, r) in zip(axes.flat, firsts.items(), strict=False):
+        reliability_diagram(r.test_probs, y, num_bins=num_bins, ax=ax, label=method)
+        ax.set_title(f"{r.dataset}: {method}")
+    for ax in list(axes.flat)[len(firsts) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

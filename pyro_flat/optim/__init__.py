@@ -1,1 +1,0 @@
-"""pyro_flat.optim."""

@@ -1,0 +1,57 @@
+"""reliability_diagram draws with the Agg backend and imports matplotlib lazily."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from pyro_flat.metrics import (  # noqa: E402
+    bma_probs,
+    expected_calibration_error,
+    reliability_bins,
+    reliability_diagram,
+)
+
+from .conftest import make_problem  # noqa: E402
+
+
+def test_reliability_diagram_returns_a_figure_with_the_ece():
+    logits, y = make_problem()
+    probs = bma_probs(logits)
+    fig = reliability_diagram(probs, y, num_bins=10, label="BMA")
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    ece = float(expected_calibration_error(probs, y, 10))
+    assert f"BMA: ECE = {ece:.4f} (10 bins)" in texts
+    assert "perfect calibration" in texts
+    assert len(ax.patches) == int((reliability_bins(probs, y, 10)["counts"] > 0).sum())  # one bar per filled bin
+    fig.savefig(io.BytesIO(), format="png")  # renders without a display
+
+
+def test_reliability_diagram_overlays_on_given_axes():
+    fig, ax = plt.subplots()
+    try:
+        for seed, name in [(0, "a"), (1, "b")]:
+            logits, y = make_problem(seed=seed)
+            assert reliability_diagram(bma_probs(logits), y, ax=ax, label=name) is fig
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels.count("perfect calibration") == 1
+        assert len(ax.get_legend().get_texts()) == 3
+    finally:
+        plt.close(fig)
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch):
+    logits, y = make_problem(num_points=20)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes `import matplotlib.figure` fail
+    with pytest.raises(ImportError, match=r"pip install pyro_flat\[bench\]"):
+        reliability_diagram(bma_probs(logits), y)
