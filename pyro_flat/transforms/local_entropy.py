@@ -31,11 +31,12 @@ jointly, is Entropy-MCMC (:class:`~pyro_flat.infer.mcmc.EntropyMCMC`) [1].
 anchors a Gaussian prior with precision :math:`N\cdot\mathrm{wd}` (``anchor_prior_scale = (N wd)^{-1/2}``), which makes
 the :math:`\theta`-marginal differ from the posterior.
 
-.. note:: The anchor of a site is initialised (when the model runs unconditioned, e.g. under an
-    ``init_to_median``/``init_to_sample`` strategy) as a copy of the site's value, as in the authors' code: its
-    distribution is ``dist.Delta(value).mask(False)``, whose log density is 0 everywhere. A network with batch
-    normalisation needs its statistics recomputed for each anchor draw before prediction (``bma_predict`` with
-    ``batchnorm_inputs``).
+.. note:: Whenever no outer handler gives the anchor a value (an unconditioned run, e.g. the initialisation of a
+    kernel under any ``init_strategy``, or an autoguide's prototype trace), the anchor takes a copy of its site's
+    value, as in the authors' code (the transform presets the value, as ``poutine.substitute`` would). Its
+    distribution, ``dist.Normal(0, 1).expand(shape).to_event(event_dim).mask(False)``, has log density 0 everywhere
+    and real support. A network with batch normalisation needs its statistics recomputed for each anchor draw before
+    prediction (``bma_predict`` with ``batchnorm_inputs``).
 
 References:
     [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
@@ -121,16 +122,24 @@ class LocalEntropyMessenger(Messenger):
         self.eta = _check_eta(eta, "local_entropy")
         self.anchor_prior_scale = _check_optional_scale(anchor_prior_scale, "local_entropy")
         self._pending: set[str] = set()
+        self._anchor_values: dict[str, Tensor] = {}
         super().__init__()
 
     def __enter__(self) -> LocalEntropyMessenger:
-        self._pending = set()
+        self._pending, self._anchor_values = set(), {}
         return super().__enter__()
 
     def _process_message(self, msg: dict) -> None:
-        # Decide here, before outer handlers run: an outer ``poutine.condition`` (as in an MCMC potential) marks the
-        # site observed, yet it is a latent of the model and keeps its anchor.
-        if msg["type"] == "sample" and not msg["infer"].get(_ANCHOR_FLAG, False) and is_latent_site(msg):
+        if msg["type"] != "sample":
+            return
+        if msg["infer"].get(_ANCHOR_FLAG, False):
+            # an anchor: preset to a copy of its site's value, unless an outer handler sets it (condition, substitute)
+            value = self._anchor_values.pop(msg["name"])
+            if msg["value"] is None:
+                msg["value"] = value
+        elif is_latent_site(msg):
+            # decided here, before outer handlers run: an outer ``poutine.condition`` (as in an MCMC potential) marks
+            # the site observed, yet it is a latent of the model and keeps its anchor
             self._pending.add(msg["name"])
 
     def _postprocess_message(self, msg: dict) -> None:
@@ -144,11 +153,9 @@ class LocalEntropyMessenger(Messenger):
                 "||theta - theta_a||^2 / (2 eta) needs continuous latent sites"
             )
         name, value, event_dim = msg["name"], msg["value"], fn.event_dim
-        anchor = pyro.sample(
-            anchor_name(name),
-            dist.Delta(value.detach(), event_dim=event_dim).mask(False),
-            infer={_ANCHOR_FLAG: True},
-        )
+        self._anchor_values[anchor_name(name)] = value.detach().clone()
+        flat = dist.Normal(torch.zeros_like(value), 1.0).to_event(event_dim).mask(False)
+        anchor = pyro.sample(anchor_name(name), flat, infer={_ANCHOR_FLAG: True})
         pyro.factor(name + COUPLING_SUFFIX, _batched_coupling(value, anchor, self.eta, event_dim), has_rsample=True)
         if self.anchor_prior_scale is not None:
             prior = dist.Normal(torch.zeros_like(anchor), self.anchor_prior_scale)

@@ -12,7 +12,7 @@ The update rules live in :mod:`pyro_flat.ops.diffusions`, with the convention
 """
 
 from .base import ModelPotential, SamplerState, StochasticGradientKernel, initialize_sg_model
-from .entropy_mcmc import EntropyMCMC
+from .entropy_mcmc import CoupledPotential, EntropyMCMC
 from .entropy_sgd import EntropySGD
 from .entropy_sgld import EntropySGLD
 from .schedules import ConstantStepSize, CyclicalStepSize, PolynomialDecay, StepSizeSchedule
@@ -26,6 +26,7 @@ __all__ = [
     "EntropyMCMC",
     "EntropySGD",
     "EntropySGLD",
+    "CoupledPotential",
     "StochasticGradientKernel",
     "SamplerState",
     "ModelPotential",

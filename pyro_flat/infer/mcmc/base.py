@@ -274,7 +274,7 @@ class StochasticGradientKernel(MCMCKernel):
         owner = type(self).__name__
         self._warmup_steps = _check_int(warmup_steps, "warmup_steps", owner, 0)
         if self.model is not None:
-            init, potential, transforms = initialize_sg_model(self.model, args, kwargs, self.init_strategy)
+            init, potential, transforms = self._initialize_model(args, kwargs)
             self.potential_fn, self.transforms = potential, transforms
             params = init if self._user_initial_params is None else dict(self._user_initial_params)
         else:
@@ -345,6 +345,12 @@ class StochasticGradientKernel(MCMCKernel):
         """Gradient evaluations of the current chain so far (warm-up included)."""
         return self._state.step
 
+    def _initialize_model(
+        self, args: tuple, kwargs: dict
+    ) -> tuple[Params, Callable[[Params], Tensor], dict[str, Transform]]:
+        """Hook: ``(initial params, potential, transforms)`` of ``self.model`` (default :func:`initialize_sg_model`)."""
+        return initialize_sg_model(self.model, args, kwargs, self.init_strategy)
+
     def _complete_initial_params(self, params: Params) -> Params:
         """Hook: add derived initial parameters (e.g. anchors) before they are checked."""
         return params
@@ -388,7 +394,9 @@ class StochasticGradientKernel(MCMCKernel):
         counter by ``steps`` gradient evaluations; read the record every ``divergence_check_every`` steps."""
         state = self._state
         names = [f"{name}{label}" for name in tensors]
-        values = list(torch._foreach_norm(list(tensors.values()), math.inf))
+        # a sum is finite iff every element is (barring an overflow of the sum itself, itself a divergence); it is
+        # cheap, unlike the infinity norm, whose foreach kernel is ~50x slower on CPU
+        values = [value.sum() for value in tensors.values()]
         if potential is not None:
             names.append("the potential energy")
             values.append(potential)
