@@ -6,9 +6,9 @@ sigmoid classifier without bias, float64, batch 64 drawn inside the model's ``py
 0.03 (step size 0.03 / N on Pyro's full-data scale), weight decay 1e-5 as a Gaussian prior of precision N * 1e-5 on
 the weights, temperature 1, eta = 1, Entropy-SGD/SGLD with L = 20 inner steps (outer step eta, i.e. x <- mu for
 Entropy-SGD; Entropy-SGLD also with the outer step L * eps, the time its inner chain covered). SGD is SGLD at
-temperature 0; Entropy-MCMC's theta and theta_a are both reported. Digits 1 vs 7 has only 252 training and 109 test images (MNIST has 13k),
-so the budget is ``--budget`` gradient evaluations (default 4000, about as many as the paper's 20 MNIST epochs)
-rather than epochs. Every kernel runs through ``pyro.infer.MCMC``; one draw every 20 gradient evaluations.
+temperature 0; Entropy-MCMC's theta and theta_a are both reported. Digits 1 vs 7 has only 252 training and 109
+test images (MNIST has 13k), so the budget is ``--budget`` gradient evaluations (default 4000, about as many as the
+paper's 20 MNIST epochs) rather than epochs. Every kernel runs through ``pyro.infer.MCMC``; one draw every 20 gradient evaluations.
 
 Reported per method, mean ± std over ``--seeds`` train/test splits (``load_digits(seed=s)``): the test accuracy of
 the current iterate (the weights theta; the outer variable x for Entropy-SGD/SGLD) and of the Bayesian model average
