@@ -8,7 +8,8 @@ the weights, temperature 1, eta = 1, Entropy-SGD/SGLD with L = 20 inner steps (o
 Entropy-SGD; Entropy-SGLD also with the outer step L * eps, the time its inner chain covered). SGD is SGLD at
 temperature 0; Entropy-MCMC's theta and theta_a are both reported. Digits 1 vs 7 has only 252 training and 109
 test images (MNIST has 13k), so the budget is ``--budget`` gradient evaluations (default 4000, about as many as the
-paper's 20 MNIST epochs) rather than epochs. Every kernel runs through ``pyro.infer.MCMC``; one draw every 20 gradient evaluations.
+paper's 20 MNIST epochs) rather than epochs. Every kernel runs through ``pyro.infer.MCMC``; one draw every 20 gradient
+evaluations.
 
 Reported per method, mean ± std over ``--seeds`` train/test splits (``load_digits(seed=s)``): the test accuracy of
 the current iterate (the weights theta; the outer variable x for Entropy-SGD/SGLD) and of the Bayesian model average
