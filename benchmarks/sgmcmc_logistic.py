@@ -181,7 +181,7 @@ def plot(results, evals, path):
     axes[1].set(xlabel="gradient evaluations", ylabel="test accuracy of the BMA so far (%)")
     axes[2].set(xlabel="sampling wall time (s)", ylabel="test accuracy of the BMA so far (%)")
     for ax in axes:
-        ax.set_ylim(90, 100.5)
+        ax.set_ylim(40, 100.5)
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("digits 1 vs 7, logistic regression (mean over splits)")
     fig.tight_layout()

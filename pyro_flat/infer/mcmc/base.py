@@ -157,8 +157,10 @@ class SamplerState:
     :param int step: gradient steps taken (warm-up included); the index :math:`t` of the step-size schedule.
     :param float step_size: the step size of the last gradient step.
     :param float potential: the potential energy read at the last divergence check (``nan`` before).
-    :param dict first_bad: per group of tracked tensors, ``[num_tensors + 1]`` int64 tensors on the device holding
-        the first step at which each tensor (and, last, the potential) was non-finite, or -1.
+    :param dict first_bad: per group of tracked tensors (keyed by their labels), int64 tensors on the device holding
+        the first step at which each tensor (and the potential, when tracked) was non-finite, or -1.
+    :param last_potential: the potential energy of the last gradient evaluation, on the device.
+    :type last_potential: Tensor or None
     """
 
     num_calls: int = 0
@@ -218,7 +220,6 @@ class StochasticGradientKernel(MCMCKernel):
         if potential_fn is not None and not callable(potential_fn):
             raise ValueError(f"{owner}: expected potential_fn to be callable, got {potential_fn!r}")
         self.model = model
-        self._user_potential_fn = potential_fn
         self.schedule = as_schedule(step_size, "step_size")
         self.temperature = _check_temperature(temperature, owner)
         if not callable(init_strategy):
@@ -246,6 +247,7 @@ class StochasticGradientKernel(MCMCKernel):
     @initial_params.setter
     def initial_params(self, params: Mapping[str, Tensor]) -> None:
         self._user_initial_params = {k: v.detach() for k, v in params.items()}
+        self._initial_params = None
 
     @property
     def save_params(self) -> list[str] | None:
