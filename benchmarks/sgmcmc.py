@@ -146,7 +146,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=100, help="gradient steps per timed block")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sgmcmc.md")
     args = parser.parse_args(argv)
+    if args.steps < INNER or args.steps % INNER:
+        parser.error(f"--steps must be a positive multiple of L = {INNER}, got {args.steps}")
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
     pyro.set_rng_seed(0)
     data = load_digits(dtype=torch.float32)
     steps = args.steps

@@ -49,7 +49,14 @@ REFERENCE_EMCMC = "Li & Zhang, Entropy-MCMC: Sampling from Flat Basins with Ease
 
 
 def run_sgmcmc(problem: Problem, kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int) -> dict:
-    """Run ``kernel`` through ``pyro.infer.MCMC`` on the run's training data; returns the samples (constrained)."""
+    """Run ``kernel`` through ``pyro.infer.MCMC`` on the run's training data (minibatches drawn in the model).
+
+    :param problem: the harness problem (data, batch size).
+    :param kernel: a stochastic-gradient kernel built on the problem's model.
+    :param int num_samples: the draws to keep.
+    :param int warmup_steps: the warm-up transitions.
+    :returns: the samples ``{site: [num_samples, ...]}`` in constrained space.
+    """
     mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True)
     args, kwargs = problem.train_args()
     mcmc.run(*args, **kwargs)

@@ -166,6 +166,8 @@ class CyclicalStepSize(StepSizeSchedule):
 def as_schedule(step_size: float | StepSizeSchedule, name: str = "step_size") -> StepSizeSchedule:
     """A schedule from a number (:class:`ConstantStepSize`) or a schedule (returned as is).
 
+    :param step_size: a finite number > 0 or a :class:`StepSizeSchedule`.
+    :param str name: the argument's name in error messages.
     :raises ValueError: if ``step_size`` is neither a finite number > 0 nor a :class:`StepSizeSchedule`.
     """
     if isinstance(step_size, StepSizeSchedule):
