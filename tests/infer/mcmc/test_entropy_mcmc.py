@@ -1,0 +1,173 @@
+import pytest
+import torch
+from pyro.infer import MCMC, Predictive
+
+from pyro_flat.data import BayesianLinearRegression, GaussianTarget
+from pyro_flat.infer.mcmc import EntropyMCMC
+from pyro_flat.transforms import local_entropy_draws
+
+from .conftest import covariance_z, mcse_z
+
+
+def _rotation_target():
+    # TESTING.md section 2: A with eigenvalues {0.5, 2, 8}, Sigma = A^-1
+    q, _ = torch.linalg.qr(torch.tensor([[1.0, 0.3, -0.2], [0.1, 1.0, 0.4], [-0.5, 0.2, 1.0]]))
+    precision = q @ torch.diag(torch.tensor([0.5, 2.0, 8.0])) @ q.T
+    return torch.tensor([1.0, -2.0, 0.5]), precision
+
+
+def _ula_joint_law(precision, eta, step, temperature=1.0):
+    """The stationary covariance of ULA on the joint of (theta, theta_a), (P - eps P^2 / 2)^-1 * T."""
+    d = len(precision)
+    eye = torch.eye(d)
+    joint = torch.cat([torch.cat([precision + eye / eta, -eye / eta], 1), torch.cat([-eye / eta, eye / eta], 1)])
+    return temperature * torch.linalg.inv(joint - step * joint @ joint / 2)
+
+
+def test_ula_joint_law_tends_to_the_exact_marginals():
+    _, precision = _rotation_target()
+    cov, eta = torch.linalg.inv(precision), 0.5
+    for step in (1e-6, 1e-7):
+        law = _ula_joint_law(precision, eta, step)
+        assert torch.allclose(law[:3, :3], cov, atol=1e-4)
+        assert torch.allclose(law[3:, 3:], cov + eta * torch.eye(3), atol=1e-4)
+
+
+@pytest.mark.statistical
+def test_entropy_mcmc_marginals_on_a_gaussian_with_vectorised_chains():
+    # theta ~ N(mu, Sigma) and theta_a ~ N(mu, Sigma + eta I) (TESTING.md section 2; Sigma^-1 eigenvalues 0.5, 2, 8,
+    # eta = 0.5). The kernel runs 1024 chains at once through a potential_fn summed over chains (chains are
+    # independent since the potential is separable), step 0.02, 2000 steps, the first 1000 dropped (5 relaxation
+    # times of the slowest mode), thinning 10. Truth: the exact ULA law of the joint at this step (TESTING.md
+    # section 3), which tends to the exact marginals (test above). z < 4.5 per mean and covariance entry
+    # (ESS >= 1500 per entry; 18 asserts, seed 0).
+    mean, precision = _rotation_target()
+    eta, step, chains = 0.5, 0.02, 1024
+
+    def potential(params):
+        centred = params["theta"] - mean
+        return 0.5 * ((centred @ precision) * centred).sum()
+
+    kernel = EntropyMCMC(potential_fn=potential, eta=eta, step_size=step, collect="both")
+    kernel.initial_params = {"theta": mean + torch.randn(chains, 3)}
+    kernel.setup(warmup_steps=1000)
+    params = kernel.initial_params
+    assert torch.equal(params["theta_anchor"], params["theta"])  # anchors start as copies
+    theta, anchor = [], []
+    for t in range(2000):
+        params = kernel.sample(params)
+        if t >= 1000 and t % 10 == 0:
+            theta.append(params["theta"])
+            anchor.append(params["theta_anchor"])
+    law = _ula_joint_law(precision, eta, step)
+    theta, anchor = torch.stack(theta, 1), torch.stack(anchor, 1)  # [chains, draws, 3]
+    for draws, cov in ((theta, law[:3, :3]), (anchor, law[3:, 3:])):
+        for i in range(3):
+            assert mcse_z(draws[..., i], float(mean[i])) < 4.5
+        assert (covariance_z(draws, mean, cov) < 4.5).all()
+    # the anchors are visibly wider than the weights: the smoothing by N(0, eta I)
+    assert (anchor.var((0, 1)) > theta.var((0, 1)) + 0.4).all()
+
+
+@pytest.mark.statistical
+def test_entropy_mcmc_kernel_under_mcmc_on_a_gaussian_model():
+    # The local_entropy transform of GaussianTarget's Pyro model (32 iid coordinates of N(1.5, 2)), eta = 0.5, step
+    # 0.2, one chain of 2000 draws after 200 warm-up steps. Per coordinate the joint precision is
+    # [[1/2 + 2, -2], [-2, 2]]; the truth is its exact ULA law. The 32 coordinates act as chains for the ESS
+    # (ESS >= 1400); z < 4.5, 4 asserts (seed 0).
+    target = GaussianTarget(torch.full((32,), 1.5), 2.0 * torch.eye(32))
+    step, eta = 0.2, 0.5
+    mcmc = MCMC(EntropyMCMC(target.model, eta=eta, step_size=step, collect="both"), num_samples=2000,
+                warmup_steps=200, disable_progbar=True)
+    mcmc.run()
+    samples = mcmc.get_samples()
+    law = _ula_joint_law(torch.tensor([[0.5]]), eta, step)
+    for name, var in (("theta", float(law[0, 0])), ("theta_anchor", float(law[1, 1]))):
+        x = samples[name].T  # [32 coordinates, 2000 draws]
+        assert mcse_z(x, 1.5) < 4.5
+        assert mcse_z((x - 1.5) ** 2, var) < 4.5
+
+
+def test_one_step_is_sgld_on_the_coupled_potential():
+    def potential(params):
+        return 2.0 * (params["w"] ** 2).sum()
+
+    kernel = EntropyMCMC(potential_fn=potential, eta=0.5, step_size=0.1, temperature=0.0)
+    kernel.initial_params = {"w": torch.tensor([1.0, -1.0]), "w_anchor": torch.tensor([0.0, 1.0])}
+    kernel.setup(0)
+    out = kernel.sample(kernel.initial_params)
+    w, a = torch.tensor([1.0, -1.0]), torch.tensor([0.0, 1.0])
+    assert torch.allclose(out["w"], w - 0.1 * (4 * w + (w - a) / 0.5))
+    assert torch.allclose(out["w_anchor"], a - 0.1 * (a - w) / 0.5)
+
+
+@pytest.mark.parametrize("collect, sites", [("theta", {"w"}), ("anchor", {"w_anchor"}), ("both", {"w", "w_anchor"})])
+def test_collect_selects_the_saved_sites(collect, sites):
+    blr = BayesianLinearRegression.generate(30, 2)
+    kernel = EntropyMCMC(blr.model, eta=0.1, step_size=1e-3, collect=collect)
+    mcmc = MCMC(kernel, num_samples=5, warmup_steps=2, disable_progbar=True)
+    mcmc.run(subsample_size=10)
+    samples = mcmc.get_samples()
+    assert set(samples) == sites
+    draws = local_entropy_draws(samples, collect)
+    assert set(draws) == {"w"} and draws["w"].shape == ((10 if collect == "both" else 5), 2)
+    pred = Predictive(blr.model, posterior_samples=draws, return_sites=["obs"])(blr.x[:3])
+    assert pred["obs"].shape[1:] == (3,)
+
+
+def test_user_initial_params_without_anchors_get_copies():
+    blr = BayesianLinearRegression.generate(30, 2)
+    kernel = EntropyMCMC(blr.model, eta=0.1, step_size=1e-3)
+    kernel.initial_params = {"w": torch.tensor([0.3, -0.7])}
+    kernel.setup(0, subsample_size=10)
+    assert torch.equal(kernel.initial_params["w_anchor"], torch.tensor([0.3, -0.7]))
+
+
+def test_same_chain_as_sgld_on_the_transformed_model():
+    # the kernel's trace-free coupled potential equals the local_entropy model's: same seed, same chain, including a
+    # constrained site (coupled in constrained space) and an anchor prior
+    import pyro
+    import pyro.distributions as dist
+
+    from pyro_flat.infer.mcmc import SGLD
+    from pyro_flat.transforms import local_entropy
+
+    blr = BayesianLinearRegression.generate(30, 2)
+
+    def model(subsample_size):
+        noise = pyro.sample("noise", dist.LogNormal(0.0, 0.3))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", 30, subsample_size=subsample_size) as idx:
+            pyro.sample("obs", dist.Normal((blr.x[idx] * w).sum(-1), noise), obs=blr.y[idx])
+
+    samples = []
+    for kernel in (EntropyMCMC(model, eta=0.2, step_size=1e-3, collect="both", anchor_prior_scale=2.0),
+                   SGLD(local_entropy(model, 0.2, anchor_prior_scale=2.0), step_size=1e-3)):
+        pyro.set_rng_seed(3)
+        mcmc = MCMC(kernel, num_samples=30, warmup_steps=5, disable_progbar=True)
+        mcmc.run(subsample_size=10)
+        samples.append(mcmc.get_samples())
+    assert set(samples[0]) == set(samples[1]) == {"noise", "noise_anchor", "w", "w_anchor"}
+    for name in samples[0]:
+        assert torch.allclose(samples[0][name], samples[1][name], atol=1e-10)
+
+
+def test_analytic_coupling_gradient_equals_autograd_of_the_full_potential():
+    import pyro
+    import pyro.distributions as dist
+
+    def model():
+        pyro.sample("scale", dist.LogNormal(0.0, 0.5))
+        pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    kernel = EntropyMCMC(model, eta=0.3, step_size=1e-3, anchor_prior_scale=1.5)
+    kernel.setup(0)
+    params = {"scale": torch.tensor(0.4), "scale_anchor": torch.tensor(2.0), "w": torch.randn(3),
+              "w_anchor": torch.randn(3)}
+    grads, energy = kernel._potential_grad(params)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    full = kernel.potential_fn(leaves)
+    expected = torch.autograd.grad(full, list(leaves.values()))
+    assert torch.allclose(energy, full.detach())
+    for name, g in zip(leaves, expected, strict=True):
+        assert torch.allclose(grads[name], g), name
