@@ -92,7 +92,8 @@ def diagonal_gaussian_inverse_fisher_product(
     :param grad_loc: :math:`g_m` (``None`` if the mean is not a parameter).
     :param grad_scale: :math:`g_u`, the gradient with respect to the *optimised* scale parameter (``None`` if the
         scale is held fixed).
-    :param scale: :math:`s`; :param scale_derivative: :math:`T'(u)` (see :func:`diagonal_gaussian_fisher`).
+    :param scale: the standard deviations :math:`s`.
+    :param scale_derivative: :math:`T'(u)` (see :func:`diagonal_gaussian_fisher`).
     """
     variance = scale.square()
     loc_part = None if grad_loc is None else variance * grad_loc

@@ -40,7 +40,7 @@ from pyro.infer.util import is_validation_enabled, torch_item
 from pyro.nn import PyroModule
 from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape, warn_if_nan
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributions import transform_to
 
 from ...ops.fisher import (
@@ -137,6 +137,25 @@ def _plain_parameters_swapped(guide: PyroModule, values: dict[str, Tensor]) -> I
             module._parameters[name] = original
 
 
+@contextmanager
+def _batchnorm_statistics_frozen(model: object) -> Iterator[None]:
+    """The BatchNorm layers of ``model`` (when it is an ``nn.Module``) keep their running statistics during the
+    perturbed pass: momentum 0 (as SAM implementations do), and ``num_batches_tracked`` restored afterwards."""
+    layers = []
+    if isinstance(model, nn.Module):
+        layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in layers]
+    try:
+        for layer in layers:
+            layer.momentum = 0.0
+        yield
+    finally:
+        for layer, momentum, tracked in saved:
+            layer.momentum = momentum
+            if tracked is not None:
+                layer.num_batches_tracked.copy_(tracked)
+
+
 def _subsample_sites(trace: poutine.Trace) -> poutine.Trace:
     """A copy of ``trace`` with only its subsample sites (the minibatch indices drawn by subsampled plates)."""
     kept = trace.copy()
@@ -213,14 +232,17 @@ class KLBallELBO(Trace_ELBO):
     and :class:`~pyro.infer.autoguide.AutoLowRankMultivariateNormal`, including its subclass
     :class:`~pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal` (any other guide is a ``ValueError``).
 
+    .. note:: BatchNorm layers of the model (when the model is an ``nn.Module``) do not update their running
+        statistics in the perturbed pass (momentum 0 for that pass, as in SAM implementations).
+
     .. note:: The same base noise is obtained by replaying the random-number generator: the state before the guide's
         first pass is restored for the perturbed pass (and the state after the first pass is restored afterwards,
         so the random stream continues exactly as under ``Trace_ELBO``). The minibatch indices of subsampled plates
         are replayed explicitly from the first pass. Other randomness inside the *model* (e.g. dropout masks) is
         redrawn in the perturbed pass when the model also subsamples.
 
-    .. warning:: ``loss`` (and ``SVI.evaluate_loss``) needs one gradient evaluation to find :math:`\delta^*`, so it
-        enables autograd internally even under ``torch.no_grad()``.
+    .. warning:: Every entry point, ``loss`` (and ``SVI.evaluate_loss``) included, needs one gradient evaluation to
+        find :math:`\delta^*`; the first pass therefore runs with autograd enabled even under ``torch.no_grad()``.
 
     Example::
 
@@ -373,12 +395,13 @@ class KLBallELBO(Trace_ELBO):
         return values
 
     def _particle_loss(
-        self, model: Callable, guide: Callable, guide_object: object, args: tuple, kwargs: dict
+        self, model: Callable, guide: Callable, model_object: object, guide_object: object, args: tuple, kwargs: dict
     ) -> Tensor:
         """The differentiable loss of one particle (its value is the loss; all supported guides are reparameterised)."""
         state_before = _rng_state()
-        first = self._first_pass(model, guide, args, kwargs)
-        leaves, delta = self._perturbation(guide_object, first)
+        with torch.enable_grad():  # delta* needs a gradient even under torch.no_grad() (SVI.evaluate_loss)
+            first = self._first_pass(model, guide, args, kwargs)
+            leaves, delta = self._perturbation(guide_object, first)
         state_after = _rng_state()
         _set_rng_state(state_before)  # the same base noise for the perturbed guide
         try:
@@ -388,7 +411,8 @@ class KLBallELBO(Trace_ELBO):
                 perturbed_guide = poutine.replay(perturbed_guide, trace=first.guide_subsample)
                 guide_trace = poutine.trace(perturbed_guide, graph_type="flat").get_trace(*args, **kwargs)
             replayed_model = poutine.replay(poutine.replay(model, trace=first.model_subsample), trace=guide_trace)
-            model_trace = poutine.trace(replayed_model, graph_type="flat").get_trace(*args, **kwargs)
+            with _batchnorm_statistics_frozen(model_object):
+                model_trace = poutine.trace(replayed_model, graph_type="flat").get_trace(*args, **kwargs)
         finally:
             _set_rng_state(state_after)
         model_trace = prune_subsample_sites(model_trace)
@@ -405,12 +429,11 @@ class KLBallELBO(Trace_ELBO):
         if self.vectorize_particles:
             if self.max_plate_nesting == float("inf"):
                 self._guess_max_plate_nesting(model, guide, args, kwargs)
-            yield self._particle_loss(
-                self._vectorized_num_particles(model), self._vectorized_num_particles(guide), guide, args, kwargs
-            )
+            vectorized = self._vectorized_num_particles(model), self._vectorized_num_particles(guide)
+            yield self._particle_loss(*vectorized, model, guide, args, kwargs)
         else:
             for _ in range(self.num_particles):
-                yield self._particle_loss(model, guide, guide, args, kwargs)
+                yield self._particle_loss(model, guide, model, guide, args, kwargs)
 
     # ---------------------------------------------------------------------------------------------------------------
     # Pyro's ELBO interface: one code path for all three entry points
@@ -418,9 +441,8 @@ class KLBallELBO(Trace_ELBO):
     def loss(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> float:
         """The adversarial negative ELBO estimate (a float), averaged over ``num_particles``."""
         loss = 0.0
-        with torch.enable_grad():
-            for particle in self._particle_losses(model, guide, args, kwargs):
-                loss += torch_item(particle) / self.num_particles
+        for particle in self._particle_losses(model, guide, args, kwargs):
+            loss += torch_item(particle) / self.num_particles
         warn_if_nan(loss, "loss")
         return loss
 

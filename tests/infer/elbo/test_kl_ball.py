@@ -258,6 +258,10 @@ def test_loss_under_no_grad_as_in_evaluate_loss():
     value = svi.evaluate_loss(X)  # SVI wraps this in torch.no_grad()
     pyro.set_rng_seed(1)
     assert value == pytest.approx(KLBallELBO(0.1).loss(normal_model, guide, X), rel=1e-12)
+    pyro.set_rng_seed(1)
+    with torch.no_grad():
+        tensor = KLBallELBO(0.1).differentiable_loss(normal_model, guide, X)
+    assert tensor.item() == pytest.approx(value, rel=1e-12) and not tensor.requires_grad
 
 
 def test_normalized_score_direction_is_the_per_block_normalised_score():
@@ -309,6 +313,25 @@ def test_module_local_params_and_elbo_module(guide_class):
     assert values[0] == pytest.approx(values[1], rel=1e-12)
     assert torch.allclose(grads[0], grads[1], rtol=1e-12)
     assert not torch.allclose(grads[0], grads[2])
+
+
+def test_perturbed_pass_leaves_batchnorm_statistics_alone():
+    from pyro_flat.nn import BayesianCNN
+
+    x = torch.randn(16, 1, 6, 6)
+    y = torch.randint(0, 3, (16,))
+    stats = []
+    for elbo in (Trace_ELBO(), KLBallELBO(0.5)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        model = BayesianCNN((1, 6, 6), 3, channels=(4,), norm="batch")
+        guide = AutoNormal(model)
+        guide(x, y, subsample_size=8)
+        pyro.set_rng_seed(1)
+        elbo.loss_and_grads(model, guide, x, y, subsample_size=8)
+        stats.append({k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k})
+        assert model.net[1].momentum == 0.1  # restored
+    assert stats[0].keys() and all(torch.equal(stats[0][k], stats[1][k]) for k in stats[0])
 
 
 def test_training_then_predictive_on_a_network():
