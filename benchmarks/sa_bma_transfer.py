@@ -281,6 +281,19 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def describe(command: str, args: argparse.Namespace) -> str:
+    """The header of a results file: the command and the settings."""
+    if args.sweep:
+        settings = f"SA-BMA (Fisher direction, kl_weight 1) at radii {args.sweep}, all from the same SWAG fit"
+    else:
+        settings = f"radius {args.radius} (sa_bma, sa_bma_score, sa_bma_code), SAM rho {args.sam_rho}"
+    return (f"`{command.strip()}`\n\nFew-shot transfer ({args.shots} shots per class, source classes {SOURCE}, "
+            f"target classes {TARGET}); T = {args.steps} steps; {settings}; Adam lr {args.lr} for the SVI methods; "
+            f"mean ± std over seeds. λ_max: top Hessian eigenvalue of the mean training NLL (the "
+            f"{args.shots * len(TARGET)} few-shot points) in the latent parameters, mean over 10 draws; σ: median "
+            f"over the parameters of their standard deviation across the 30 BMA draws.\n\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["digits", "mnist1d"], choices=sorted(LOADERS))
@@ -307,11 +320,7 @@ def main(argv=None):
             records += run_seed(dataset, seed, args)
     command = "python benchmarks/sa_bma_transfer.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = "transfer_radius_sweep" if args.sweep else "transfer_table"
-    text = (f"`{command.strip()}`\n\nFew-shot transfer ({args.shots} shots per class, source classes {SOURCE}, target "
-            f"classes {TARGET}); T = {args.steps} steps, radius {args.radius}, SAM rho {args.sam_rho}, Adam lr "
-            f"{args.lr}; mean ± std over seeds. λ_max: top Hessian eigenvalue of the mean training NLL (the "
-            f"{args.shots * len(TARGET)} few-shot points) in the latent parameters, mean over 10 draws.\n\n"
-            + table(records))
+    text = describe(command, args) + table(records)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.md").write_text(text)
