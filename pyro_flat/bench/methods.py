@@ -2,5 +2,6 @@
 
 from . import (
     baselines,  # noqa: F401
+    kl_ball,  # noqa: F401
     sgmcmc,  # noqa: F401
 )

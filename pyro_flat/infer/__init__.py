@@ -1,6 +1,8 @@
 """Inference for flat posteriors: objectives (ELBOs), MCMC kernels, guides, averaging, and BMA prediction."""
 
 from . import mcmc
+from .autoguide import AutoLowRankPlusDiagonalNormal
+from .elbo import KLBallELBO
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
 from .util import is_latent_site, is_subsample_site, latent_sites
@@ -12,6 +14,8 @@ __all__ = [
     "EntropyMCMC",
     "EntropySGD",
     "EntropySGLD",
+    "AutoLowRankPlusDiagonalNormal",
+    "KLBallELBO",
     "bma_predict",
     "guide_draws",
     "is_latent_site",

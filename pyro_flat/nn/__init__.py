@@ -9,6 +9,7 @@ from .models import (
     BayesianRegressionMLP,
     BayesianRegressor,
 )
+from .transfer import bayesian_transfer, replace_head
 
 __all__ = [
     "NORM_LAYERS",
@@ -17,10 +18,12 @@ __all__ = [
     "BayesianMLP",
     "BayesianRegressionMLP",
     "BayesianRegressor",
+    "bayesian_transfer",
     "has_batchnorm",
     "head_module_name",
     "init_to_network",
     "latent_init_values",
     "make_bayesian",
     "refresh_batchnorm",
+    "replace_head",
 ]

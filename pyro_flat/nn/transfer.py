@@ -1,0 +1,133 @@
+r"""Bayesian transfer learning: a pretrained torch network whose normalisation layers and (new) head are latent.
+
+:func:`bayesian_transfer` turns a network trained on a *source* task into a Pyro classifier for a *target* task, in
+the scheme of SA-BMA [1] (and of Bayesian parameter-efficient fine-tuning in general): the head is replaced by a
+fresh ``nn.Linear`` for the target classes, and only the affine parameters of the normalisation layers
+and the head become random,
+
+.. math:: \theta_{\rm norm} \sim \mathcal N(\theta_{\rm norm}^{\rm pre},\ s^2 I), \qquad
+    \theta_{\rm head} \sim \mathcal N(0,\ s_{\rm head}^2 I)
+    \quad(\text{or } \mathcal N(\theta_{\rm head}^{\rm pre}, s^2 I) \text{ if the pretrained head is kept}),
+
+where :math:`\theta^{\rm pre}` are the pretrained values. The other parameters are frozen at their pretrained values
+(buffers, so no optimiser touches them) or stay learnable point estimates (``rest="learned"``). The result is an
+ordinary :class:`~pyro_flat.nn.BayesianClassifier`, so any Pyro inference applies: ``SVI`` with
+:class:`~pyro_flat.infer.elbo.KLBallELBO` and :class:`~pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal`
+(SA-BMA), mean-field VI, SWAG, MCMC.
+
+.. note:: In SA-BMA the frozen block is not a point but is re-sampled from a source SWAG posterior at every step. That
+    needs a SWAG posterior of the source network and is not provided here: the frozen block is a point (the
+    pretrained weights).
+
+References:
+    [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
+        Hoyoon Byun, Jinho Kang, Yohan Jung, Jiyoung Jung, Kyungwoo Song (2024), arXiv:2406.15664
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import math
+
+import torch
+from torch import nn
+
+from .bayesian import _PRIOR_LOC, _PRIOR_SCALE, NORM_LAYERS, RandomSpec, head_module_name, make_bayesian
+from .models import BayesianClassifier
+
+__all__ = ["bayesian_transfer", "replace_head"]
+
+
+def replace_head(net: nn.Module, num_classes: int, *, head: str | None = None) -> nn.Linear:
+    """Replace the ``nn.Linear`` head of ``net`` **in place** by a freshly initialised one with ``num_classes``
+    outputs (same input width, bias, device and dtype; torch's default initialisation).
+
+    :param net: a torch network.
+    :param num_classes: the number of classes of the target task, ``>= 2``.
+    :param head: the qualified module name of the head (default: the last ``nn.Linear``/conv layer in module order,
+        :func:`~pyro_flat.nn.head_module_name`).
+    :returns: the new head.
+    """
+    if isinstance(num_classes, bool) or not (isinstance(num_classes, int) and num_classes >= 2):
+        raise ValueError(f"`num_classes` must be an int >= 2, got {num_classes!r}")
+    head = head_module_name(net) if head is None else head
+    modules = dict(net.named_modules())
+    if head not in modules:
+        raise ValueError(f"`head` {head!r} is not a module of the network; known linear layers: "
+                         f"{[n for n, m in modules.items() if isinstance(m, nn.Linear)]}")
+    old = modules[head]
+    if not isinstance(old, nn.Linear):
+        raise ValueError(f"the head {head!r} must be an nn.Linear to be replaced, got {type(old).__name__}")
+    new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None, device=old.weight.device,
+                    dtype=old.weight.dtype)
+    parent_name, _, child = head.rpartition(".")
+    setattr(net.get_submodule(parent_name) if parent_name else net, child, new)
+    return new
+
+
+def bayesian_transfer(
+    net: nn.Module,
+    num_classes: int,
+    *,
+    head: str | None = None,
+    random: RandomSpec = "norm_and_head",
+    prior_scale: float = 1.0,
+    head_prior_scale: float = 1.0,
+    new_head: bool = True,
+    rest: str = "frozen",
+    copy: bool = True,
+) -> BayesianClassifier:
+    r"""A Bayesian classifier for a target task from a network pretrained on a source task.
+
+    :param net: the pretrained torch network (e.g. a torchvision ResNet: its head is ``"fc"``, its normalisation
+        layers are the ``BatchNorm2d`` s), mapping ``[B, ...]`` inputs to logits.
+    :param num_classes: the number of target classes.
+    :param head: the qualified name of the head module (default: the last linear/conv layer).
+    :param random: which parameters are latent: ``"norm_and_head"`` (default; normalisation affine parameters and
+        the head, as in SA-BMA), or anything :func:`~pyro_flat.nn.make_bayesian` accepts.
+    :param prior_scale: :math:`s > 0`, the prior standard deviation around the pretrained values (default 1).
+    :param head_prior_scale: :math:`s_{\rm head} > 0`, the prior standard deviation of a *new* head, centred at zero
+        (default 1).
+    :param new_head: replace the head by a freshly initialised ``nn.Linear`` with ``num_classes`` outputs (default,
+        the target task's classes are new, as in SA-BMA, whose classifier starts at zero); ``False`` keeps the
+        pretrained head (then it must already have ``num_classes`` outputs) with the prior around its values.
+    :param rest: ``"frozen"`` (default; the other parameters become buffers at their pretrained values) or
+        ``"learned"`` (they stay ``pyro.param`` point estimates).
+    :param copy: work on a deep copy of ``net`` (default) rather than converting it in place.
+    :returns: a :class:`~pyro_flat.nn.BayesianClassifier` called as ``model(x, y=None, *, subsample_size=None,
+        num_data=None)``.
+
+    Example (a torchvision network; nothing is downloaded if its weights are already on disk)::
+
+        net = torchvision.models.resnet18(weights="IMAGENET1K_V1")  # doctest: +SKIP
+        model = bayesian_transfer(net, num_classes=10, prior_scale=0.1)
+        guide = AutoLowRankPlusDiagonalNormal(model, init_loc_fn=init_to_network(model), init_scale=1e-3)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), KLBallELBO(radius=0.01))
+    """
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"`net` must be a torch.nn.Module, got {type(net).__name__}")
+    if not (isinstance(head_prior_scale, (int, float)) and 0 < head_prior_scale < math.inf):
+        raise ValueError(f"`head_prior_scale` must be a finite number > 0, got {head_prior_scale!r}")
+    net = copy_module.deepcopy(net) if copy else net
+    head = head_module_name(net) if head is None else head
+    if new_head:
+        replace_head(net, num_classes, head=head)
+    elif getattr(dict(net.named_modules()).get(head), "out_features", None) != num_classes:
+        raise ValueError(
+            f"new_head=False keeps the pretrained head {head!r}, which must have num_classes={num_classes} outputs"
+        )
+    selection = random
+    if isinstance(random, str) and random == "norm_and_head":  # with the head named here, not guessed again
+
+        def selection(module_name: str, module: nn.Module, _param: str) -> bool:
+            return isinstance(module, NORM_LAYERS) or module_name == head
+
+    make_bayesian(net, random=selection, prior_scale=prior_scale, prior_loc="current", rest=rest)
+    if new_head:
+        head_module = net.get_submodule(head)
+        for name, buffer in list(head_module.named_buffers(recurse=False)):
+            if name.startswith(_PRIOR_LOC):
+                setattr(head_module, name, torch.zeros_like(buffer))
+            elif name.startswith(_PRIOR_SCALE):
+                setattr(head_module, name, torch.full_like(buffer, float(head_prior_scale)))
+    return BayesianClassifier(net, num_classes)

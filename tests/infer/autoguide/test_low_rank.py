@@ -1,0 +1,119 @@
+"""AutoLowRankPlusDiagonalNormal: its Gaussian, its draws, SWAG initialisation, use with SVI and Predictive."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Predictive, Trace_ELBO
+
+from pyro_flat.infer import AutoLowRankPlusDiagonalNormal
+
+
+def model(x=None):
+    a = pyro.sample("a", dist.Normal(0.0, 1.0).expand([2, 2]).to_event(2))
+    b = pyro.sample("b", dist.LogNormal(0.0, 1.0))  # constrained: the guide works in log space
+    if x is not None:
+        pyro.sample("x", dist.Normal(a.sum() * b, 1.0), obs=x)
+    return a, b
+
+
+def _params(guide):
+    p = guide._pyro_name
+    return pyro.param(f"{p}.loc"), pyro.param(f"{p}.scale"), pyro.param(f"{p}.cov_factor")
+
+
+def _covariance(scale, factor):
+    return torch.diag(scale) @ (torch.eye(len(scale)) + factor @ factor.T) @ torch.diag(scale)
+
+
+def test_posterior_is_diagonal_plus_low_rank_and_marginal_scales():
+    guide = AutoLowRankPlusDiagonalNormal(model, rank=3, init_scale=0.2)
+    guide()
+    loc, scale, factor = _params(guide)
+    assert loc.shape == (5,) and scale.shape == (5,) and factor.shape == (5, 3)
+    cov = _covariance(scale, factor)
+    posterior = guide.get_posterior()
+    assert torch.allclose(posterior.covariance_matrix, cov)
+    theta = torch.randn(5)
+    assert torch.allclose(posterior.log_prob(theta), dist.MultivariateNormal(loc, cov).log_prob(theta))
+    _, marginal = guide._loc_scale()
+    assert torch.allclose(marginal, cov.diagonal().sqrt())
+    assert torch.allclose(scale, torch.full((5,), 0.2 / math.sqrt(2)))
+
+
+@pytest.mark.statistical
+def test_draws_have_the_guide_covariance():
+    # 20 000 vectorised draws (independent, ESS = n), seed 0; z-test of every mean and covariance entry, k = 4.5
+    guide = AutoLowRankPlusDiagonalNormal(model, rank=2, init_scale=0.5)
+    guide()
+    n = 20_000
+    with pyro.plate("particles", n, dim=-1):
+        latent = guide.sample_latent()
+    loc, scale, factor = _params(guide)
+    cov = _covariance(scale, factor).detach()
+    centred = latent.detach() - loc.detach()
+    z_mean = centred.mean(0).abs() / (cov.diagonal().sqrt() / math.sqrt(n))
+    products = centred.unsqueeze(2) * centred.unsqueeze(1)
+    z_cov = (products.mean(0) - cov).abs() / (products.std(0) / math.sqrt(n))
+    assert z_mean.max() < 4.5 and z_cov.max() < 4.5
+    draw = guide()
+    assert draw["a"].shape == (2, 2) and draw["b"] > 0
+
+
+def test_from_moments_matches_swag_sampling_covariance():
+    mean, variance, deviations = torch.arange(5.0) / 10, torch.linspace(0.1, 0.5, 5), torch.randn(5, 4)
+    guide = AutoLowRankPlusDiagonalNormal.from_moments(model, mean, variance, deviations, scale=0.5)
+    guide()
+    loc, scale, factor = _params(guide)
+    assert guide.rank == 4
+    assert torch.allclose(loc, mean)
+    swag = 0.5 * (torch.diag(variance) + deviations @ deviations.T / 3)
+    assert torch.allclose(_covariance(scale, factor), swag)
+
+
+def test_from_swag_reads_a_moment_collector():
+    class Collector:  # the interface of a SWAG moment collector, flat tensors in AutoContinuous order
+        def flat_mean(self):
+            return torch.zeros(5)
+
+        def flat_variance(self):
+            return torch.ones(5)
+
+        def deviation_matrix(self):
+            return torch.eye(5)[:, :2]
+
+    guide = AutoLowRankPlusDiagonalNormal.from_swag(model, Collector(), scale=1.0)
+    guide()
+    _, scale, factor = _params(guide)
+    assert torch.allclose(scale, torch.ones(5)) and torch.allclose(factor, torch.eye(5)[:, :2])
+    with pytest.raises(ValueError, match="deviation_matrix"):
+        AutoLowRankPlusDiagonalNormal.from_swag(model, object())
+
+
+def test_moments_of_the_wrong_size_are_a_value_error():
+    guide = AutoLowRankPlusDiagonalNormal.from_moments(model, torch.zeros(4), torch.ones(4), torch.ones(4, 2))
+    with pytest.raises(ValueError, match="4 values but the model's latent sites total 5"):
+        guide()
+
+
+@pytest.mark.parametrize("kwargs, match", [({"rank": 0}, "rank"), ({"rank": True}, "rank"),
+                                           ({"init_scale": -1.0}, "init_scale"), ({"init_scale": 1}, "init_scale")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoLowRankPlusDiagonalNormal(model, **kwargs)
+
+
+def test_trains_with_trace_elbo_and_predicts():
+    x = torch.tensor(3.0)
+    guide = AutoLowRankPlusDiagonalNormal(model, rank=2)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    losses = [svi.step(x) for _ in range(100)]
+    assert sum(losses[-10:]) < sum(losses[:10])
+    samples = Predictive(model, guide=guide, num_samples=7)()
+    assert samples["a"].shape == (7, 2, 2) and (samples["b"] > 0).all()
+    quantiles = guide.quantiles([0.25, 0.75])
+    assert (quantiles["b"][1] > quantiles["b"][0]).all()

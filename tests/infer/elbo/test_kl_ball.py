@@ -1,0 +1,401 @@
+"""KLBallELBO: the Trace_ELBO limit, the closed-form steps of TESTING.md §2, the KL ball, replayed noise and
+minibatches, the three entry points, Predictive afterwards, and errors."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+)
+from torch.distributions import kl_divergence, transform_to
+
+from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, KLBallELBO
+from pyro_flat.ops.sam import sam_perturbation
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: with a thread per core, pytest -n 2 on a busy 2-core machine spends its time contending."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+X = torch.tensor([-0.5, 2.0, 1.0, 0.3, -1.2, 0.8], dtype=torch.float64)
+GUIDES = [AutoNormal, AutoDiagonalNormal, AutoLowRankPlusDiagonalNormal]
+
+
+def normal_model(x, subsample_size=None, record=None):
+    """z_i ~ N(0, 1), x_i ~ N(z_i, 1): -ELBO_i = ½(m_i² + s²) + ½((x_i - m_i)² + s²) - log s + const."""
+    z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(x)]).to_event(1))
+    with pyro.plate("data", len(x), subsample_size=subsample_size) as idx:
+        if record is not None:
+            record.append((idx.clone(), z.detach().clone()))
+        pyro.sample("x", dist.Normal(z[..., idx], 1.0), obs=x[idx])
+
+
+def _grads():
+    store = pyro.get_param_store()
+    return {name: store._params[name].grad.clone() for name in store.keys()}
+
+
+def _run(elbo, guide_class, seed, steps=3, **kwargs):
+    """Losses of `loss`, `differentiable_loss`, `loss_and_grads` and the gradients after ``steps`` SGD steps."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = guide_class(normal_model)
+    guide(X, **kwargs)
+    pyro.set_rng_seed(seed)
+    out = []
+    svi = SVI(normal_model, guide, pyro.optim.SGD({"lr": 0.01}), elbo)
+    for _ in range(steps):
+        out.append(svi.step(X, **kwargs))
+    out.append(elbo.loss(normal_model, guide, X, **kwargs))
+    out.append(elbo.differentiable_loss(normal_model, guide, X, **kwargs).item())
+    out.append(elbo.loss_and_grads(normal_model, guide, X, **kwargs))
+    return out, _grads(), torch.rand(())
+
+
+@pytest.mark.parametrize("guide_class", GUIDES + [AutoLowRankMultivariateNormal])
+@pytest.mark.parametrize("subsample_size", [None, 3])
+@pytest.mark.parametrize("particles", [dict(num_particles=1), dict(num_particles=3),
+                                       dict(num_particles=3, vectorize_particles=True, max_plate_nesting=1)])
+def test_radius_zero_is_trace_elbo(guide_class, subsample_size, particles):
+    # TESTING.md §2 item 1: same seed, same losses, same gradients, same random stream afterwards (float64)
+    calls = []
+
+    class CountingKLBall(KLBallELBO):  # counts perturbed passes: the two-pass path runs, it is not skipped
+        def _particle_loss(self, *args):
+            calls.append(1)
+            return super()._particle_loss(*args)
+
+    kwargs = {"subsample_size": subsample_size}
+    ref_losses, ref_grads, ref_next = _run(Trace_ELBO(**particles), guide_class, 7, **kwargs)
+    losses, grads, next_random = _run(CountingKLBall(0.0, **particles), guide_class, 7, **kwargs)
+    assert calls, "KLBallELBO(radius=0) did not run its two-pass path"
+    assert losses == pytest.approx(ref_losses, rel=1e-12, abs=1e-12)
+    for name in ref_grads:
+        assert torch.allclose(grads[name], ref_grads[name], rtol=1e-12, atol=1e-13), name
+    assert next_random == ref_next
+
+
+def _frozen_scale_guide(scale):
+    guide = AutoNormal(normal_model, init_scale=scale)
+    guide(X)
+    pyro.param("AutoNormal.scales.z").unconstrained().requires_grad_(False)
+    return guide
+
+
+def _noise(guide, seed):
+    """The base noise eps of the guide's draw under ``seed`` (the draw the ELBO's first pass makes)."""
+    pyro.set_rng_seed(seed)
+    trace = pyro.poutine.trace(guide).get_trace(X)
+    loc, scale = pyro.param("AutoNormal.locs.z").detach(), pyro.param("AutoNormal.scales.z").detach()
+    return (trace.nodes["z"]["value"].detach() - loc) / scale
+
+
+@pytest.mark.parametrize("non_isotropic", [False, True])
+def test_mean_only_step_is_the_closed_form_and_sams_normalised_gradient(non_isotropic):
+    # TESTING.md §2 item 2: delta* = sqrt(2 rho) s^2 g / ||s g||, g = d/dm of the NLL at the draw = m + s eps - x
+    radius, s = 0.02, 0.3
+    guide = _frozen_scale_guide(s)
+    if non_isotropic:
+        with torch.no_grad():
+            pyro.param("AutoNormal.scales.z").unconstrained().copy_(
+                transform_to(guide.scale_constraint).inv(torch.linspace(0.1, 0.6, len(X)))
+            )
+    pyro.set_rng_seed(3)
+    delta = KLBallELBO(radius).perturbation(normal_model, guide, X)
+    assert set(delta) == {"AutoNormal.locs.z"}  # the frozen scale is not perturbed
+    eps = _noise(guide, 3)
+    m, scale = pyro.param("AutoNormal.locs.z").detach(), pyro.param("AutoNormal.scales.z").detach()
+    g = m + scale * eps - X
+    closed = math.sqrt(2 * radius) * scale**2 * g / (scale * g).norm()
+    assert torch.allclose(delta["AutoNormal.locs.z"], closed, rtol=1e-9, atol=1e-12)
+    if not non_isotropic:
+        (sam,) = sam_perturbation([g], s * math.sqrt(2 * radius))
+        assert torch.allclose(delta["AutoNormal.locs.z"], sam, rtol=1e-9, atol=1e-12)
+
+
+def test_loc_gradient_perturbs_only_the_data_term():
+    # TESTING.md §2 item 3 for one draw: the loc gradient is (m + delta + s eps - x) + (m + s eps),
+    # the data term at the perturbed mean and the prior/entropy term at the unperturbed one
+    radius = 0.05
+    guide = _frozen_scale_guide(0.4)
+    elbo = KLBallELBO(radius)
+    pyro.set_rng_seed(11)
+    delta = elbo.perturbation(normal_model, guide, X)["AutoNormal.locs.z"]
+    eps = _noise(guide, 11)
+    pyro.set_rng_seed(11)
+    elbo.loss_and_grads(normal_model, guide, X)
+    m, s = pyro.param("AutoNormal.locs.z").detach(), pyro.param("AutoNormal.scales.z").detach()
+    grad = pyro.param("AutoNormal.locs.z").unconstrained().grad
+    assert torch.allclose(grad, (m + delta + s * eps - X) + (m + s * eps), rtol=1e-10, atol=1e-12)
+    assert grad.sub(2 * (m + delta + s * eps) - X).abs().max() > 1e-3  # not the whole ELBO at m + delta
+
+
+def test_learned_scale_gradients_match_the_single_draw_closed_form():
+    # both parameters learned; s = softplus(u): data term at (m + dm, softplus(u + du)), KL term at (m, u)
+    radius = 0.05
+    guide = AutoNormal(normal_model, init_scale=0.5)
+    guide(X)
+    elbo = KLBallELBO(radius)
+    pyro.set_rng_seed(5)
+    delta = elbo.perturbation(normal_model, guide, X)
+    eps = _noise(guide, 5)
+    pyro.set_rng_seed(5)
+    elbo.loss_and_grads(normal_model, guide, X)
+    m, s = pyro.param("AutoNormal.locs.z").detach(), pyro.param("AutoNormal.scales.z").detach()
+    u = pyro.param("AutoNormal.scales.z").unconstrained().detach()
+    dm, du = delta["AutoNormal.locs.z"], delta["AutoNormal.scales.z"]
+    s_prime = torch.nn.functional.softplus(u + du)
+    theta, theta_prime = m + s * eps, m + dm + s_prime * eps
+    grad_m = (theta_prime - X) + theta
+    grad_u = (theta_prime - X) * eps * torch.sigmoid(u + du) + (theta * eps - 1 / s) * torch.sigmoid(u)
+    assert torch.allclose(pyro.param("AutoNormal.locs.z").unconstrained().grad, grad_m, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(pyro.param("AutoNormal.scales.z").unconstrained().grad, grad_u, rtol=1e-10, atol=1e-12)
+
+
+def _posterior(guide, delta=None):
+    """The guide's Gaussian over the unconstrained latent, optionally at perturbed parameters."""
+    delta = delta or {}
+    store = pyro.get_param_store()
+
+    def param(name, constrained=True):
+        raw = store._params[name].detach() + delta.get(name, 0.0)
+        return transform_to(store._constraints[name])(raw) if constrained else raw
+
+    p = guide._pyro_name
+    if isinstance(guide, AutoNormal):
+        return dist.Normal(param(f"{p}.locs.z"), param(f"{p}.scales.z")).to_event(1)
+    if isinstance(guide, AutoDiagonalNormal):
+        return dist.Normal(param(f"{p}.loc"), param(f"{p}.scale")).to_event(1)
+    scale = param(f"{p}.scale")
+    return dist.LowRankMultivariateNormal(param(f"{p}.loc"), param(f"{p}.cov_factor") * scale.unsqueeze(-1), scale**2)
+
+
+@pytest.mark.parametrize("guide_class", GUIDES + [AutoLowRankMultivariateNormal])
+def test_kl_of_the_perturbed_guide_tends_to_the_radius(guide_class):
+    # exact Fisher (diagonal guides): KL(q' || q) / radius -> 1 as radius -> 0; the low-rank guide's Fisher
+    # approximation dominates the true Fisher, so there KL(q' || q) <= radius to second order
+    guide = guide_class(normal_model)
+    guide(X)
+    ratios = []
+    for radius in (1e-2, 1e-4, 1e-6):
+        pyro.set_rng_seed(2)
+        delta = KLBallELBO(radius).perturbation(normal_model, guide, X)
+        ratios.append((kl_divergence(_posterior(guide, delta), _posterior(guide)) / radius).item())
+    errors = [abs(r - 1) for r in ratios]
+    if issubclass(guide_class, AutoLowRankMultivariateNormal):
+        assert all(0 < r < 1 + 1e-2 for r in ratios[1:]), ratios
+    else:
+        assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-2, ratios
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+def test_both_passes_use_the_same_noise_and_the_same_minibatch(guide_class):
+    record = []
+    guide = guide_class(normal_model)
+    guide(X, subsample_size=3)
+    elbo = KLBallELBO(0.5)
+    pyro.set_rng_seed(4)
+    delta = elbo.perturbation(normal_model, guide, X, subsample_size=3)
+    pyro.set_rng_seed(4)
+    state = torch.get_rng_state()
+    elbo.loss_and_grads(normal_model, guide, X, subsample_size=3, record=record)
+    (idx1, z1), (idx2, z2) = record
+    assert torch.equal(idx1, idx2)  # the perturbed pass scores the same minibatch
+    torch.set_rng_state(state)  # the perturbed draw is the first pass's noise pushed through the perturbed parameters
+    expected = _posterior(guide, delta)
+    assert torch.allclose(z2, expected.rsample(), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(z1, z2)
+
+
+def test_minibatch_is_replayed_even_if_the_random_stream_differs():
+    # the explicit replay of the subsample site (DESIGN.md trap), independent of the random-number replay
+    record = []
+    guide = AutoNormal(normal_model)
+    guide(X, subsample_size=2)
+    pyro.set_rng_seed(0)
+    KLBallELBO(0.1).loss_and_grads(normal_model, guide, X, subsample_size=2, record=record)
+    (idx1, _), (idx2, _) = record
+    assert torch.equal(idx1, idx2)
+
+
+@pytest.mark.parametrize("direction", ["fisher", "normalized_score"])
+@pytest.mark.parametrize("guide_class", GUIDES)
+def test_loss_differentiable_loss_and_loss_and_grads_agree(direction, guide_class):
+    elbo = KLBallELBO(0.1, direction=direction, num_particles=2)
+    guide = guide_class(normal_model)
+    guide(X, subsample_size=4)
+    values = []
+    for method in ("loss", "differentiable_loss", "loss_and_grads"):
+        pyro.set_rng_seed(9)
+        value = getattr(elbo, method)(normal_model, guide, X, subsample_size=4)
+        values.append(value.item() if torch.is_tensor(value) else value)
+    assert values[0] == pytest.approx(values[1], rel=1e-12) == pytest.approx(values[2], rel=1e-12)
+    pyro.set_rng_seed(9)
+    plain = Trace_ELBO(num_particles=2).loss(normal_model, guide, X, subsample_size=4)
+    assert values[0] > plain  # the adversarial data term is worse than the unperturbed one
+
+
+def test_loss_under_no_grad_as_in_evaluate_loss():
+    guide = AutoNormal(normal_model)
+    svi = SVI(normal_model, guide, pyro.optim.Adam({"lr": 0.01}), KLBallELBO(0.1))
+    svi.step(X)
+    pyro.set_rng_seed(1)
+    value = svi.evaluate_loss(X)  # SVI wraps this in torch.no_grad()
+    pyro.set_rng_seed(1)
+    assert value == pytest.approx(KLBallELBO(0.1).loss(normal_model, guide, X), rel=1e-12)
+    pyro.set_rng_seed(1)
+    with torch.no_grad():
+        tensor = KLBallELBO(0.1).differentiable_loss(normal_model, guide, X)
+    assert tensor.item() == pytest.approx(value, rel=1e-12) and not tensor.requires_grad
+
+
+def test_normalized_score_direction_is_the_per_block_normalised_score():
+    # the authors' code: delta_k = sqrt(2 gamma) s_k / ||s_k|| with s = grad log q at the draw;
+    # for N(m, softplus(u)^2): s_m = eps / s and s_u = (eps^2 - 1) / s * sigmoid(u)
+    radius = 0.125
+    guide = AutoNormal(normal_model, init_scale=0.7)
+    guide(X)
+    pyro.set_rng_seed(8)
+    delta = KLBallELBO(radius, direction="normalized_score").perturbation(normal_model, guide, X)
+    eps = _noise(guide, 8)
+    s, u = pyro.param("AutoNormal.scales.z").detach(), pyro.param("AutoNormal.scales.z").unconstrained().detach()
+    score_m, score_u = eps / s, (eps**2 - 1) / s * torch.sigmoid(u)
+    rho = math.sqrt(2 * radius)
+    assert torch.allclose(delta["AutoNormal.locs.z"], rho * score_m / score_m.norm(), rtol=1e-9)
+    assert torch.allclose(delta["AutoNormal.scales.z"], rho * score_u / score_u.norm(), rtol=1e-9)
+
+
+def test_kl_weight_scales_only_the_prior_and_entropy_term():
+    guide = AutoNormal(normal_model)
+    guide(X)
+    losses = []
+    for weight in (0.0, 1.0, 2.5):
+        pyro.set_rng_seed(6)
+        losses.append(KLBallELBO(0.1, kl_weight=weight).loss(normal_model, guide, X))
+    eps = _noise(guide, 6)
+    m, s = pyro.param("AutoNormal.locs.z").detach(), pyro.param("AutoNormal.scales.z").detach()
+    theta = m + s * eps
+    log_q = dist.Normal(m, s).log_prob(theta).sum()
+    log_p = dist.Normal(0.0, 1.0).log_prob(theta).sum()
+    assert losses[1] - losses[0] == pytest.approx((log_q - log_p).item(), rel=1e-10)
+    assert losses[2] - losses[0] == pytest.approx(2.5 * (log_q - log_p).item(), rel=1e-10)
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+def test_module_local_params_and_elbo_module(guide_class):
+    with pyro.settings.context(module_local_params=True):
+        guide = guide_class(normal_model)
+        guide(X)
+        values, grads = [], []
+        for elbo in (Trace_ELBO(), KLBallELBO(0.0), KLBallELBO(0.3)):
+            loss_module = elbo(normal_model, guide)
+            pyro.set_rng_seed(2)
+            loss = loss_module(X)
+            guide.zero_grad()
+            loss.backward()
+            values.append(loss.item())
+            grads.append(torch.cat([p.grad.reshape(-1) for p in guide.parameters()]))
+    assert values[0] == pytest.approx(values[1], rel=1e-12)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-12)
+    assert not torch.allclose(grads[0], grads[2])
+
+
+def test_perturbed_pass_leaves_batchnorm_statistics_alone():
+    from pyro_flat.nn import BayesianCNN
+
+    x = torch.randn(16, 1, 6, 6)
+    y = torch.randint(0, 3, (16,))
+    stats = []
+    for elbo in (Trace_ELBO(), KLBallELBO(0.5)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        model = BayesianCNN((1, 6, 6), 3, channels=(4,), norm="batch")
+        guide = AutoNormal(model)
+        guide(x, y, subsample_size=8)
+        pyro.set_rng_seed(1)
+        elbo.loss_and_grads(model, guide, x, y, subsample_size=8)
+        stats.append({k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k})
+        assert model.net[1].momentum == 0.1  # restored
+    assert stats[0].keys() and all(torch.equal(stats[0][k], stats[1][k]) for k in stats[0])
+
+
+def test_training_then_predictive_on_a_network():
+    from pyro_flat.data import load_digits
+    from pyro_flat.metrics import evaluate
+    from pyro_flat.nn import BayesianMLP, init_to_network
+
+    data = load_digits().subset(num_train=300)
+    model = BayesianMLP(64, 10, hidden=(16,))
+    guide = AutoLowRankPlusDiagonalNormal(model, init_loc_fn=init_to_network(model), init_scale=1e-3, rank=3)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 3e-2}), KLBallELBO(0.01))
+    losses = [svi.step(data.x_train, data.y_train, subsample_size=64) for _ in range(60)]
+    assert sum(losses[-10:]) < sum(losses[:10])
+    predictive = Predictive(model, guide=guide, num_samples=8, return_sites=["logits"])
+    out = predictive(data.x_test)
+    assert out["logits"].shape == (8, len(data.x_test), 10)
+    assert evaluate(out, data.y_test)["acc"] > 0.6  # chance is 0.1
+
+
+@pytest.mark.parametrize("radius", [-0.1, float("nan"), float("inf")])
+def test_bad_radius_is_a_value_error(radius):
+    with pytest.raises(ValueError, match="`radius` must be a finite number >= 0"):
+        KLBallELBO(radius)
+
+
+def test_bad_options_are_value_errors():
+    with pytest.raises(ValueError, match="`direction` must be one of"):
+        KLBallELBO(0.1, direction="score")
+    with pytest.raises(ValueError, match="`kl_weight`"):
+        KLBallELBO(0.1, kl_weight=-1.0)
+
+
+@pytest.mark.parametrize("guide_factory", [
+    lambda: AutoDelta(normal_model),
+    lambda: AutoMultivariateNormal(normal_model),
+    lambda: (lambda x: None),
+])
+def test_unsupported_guide_names_the_supported_ones(guide_factory):
+    with pytest.raises(ValueError, match="AutoNormal, .*AutoDiagonalNormal and .*AutoLowRankMultivariateNormal"):
+        KLBallELBO(0.1).loss(normal_model, guide_factory(), X)
+
+
+def test_model_without_observations_is_a_value_error():
+    def prior_only(x):
+        pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(x)]).to_event(1))
+
+    with pytest.raises(ValueError, match="no observed sample site"):
+        KLBallELBO(0.1).loss(prior_only, AutoNormal(prior_only), X)
+
+
+def test_diverging_likelihood_names_the_parameter():
+    def bad_model(x):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(x)]).to_event(1))
+        pyro.sample("x", dist.Normal(z * float("inf"), 1.0).to_event(1), obs=x)
+
+    guide = AutoNormal(bad_model)
+    with pytest.raises((FloatingPointError, ValueError), match="z"):
+        KLBallELBO(0.1).loss(bad_model, guide, X)
+
+
+@pytest.mark.cuda
+def test_runs_on_cuda():
+    x = X.cuda()
+    guide = AutoLowRankPlusDiagonalNormal(normal_model, rank=2)
+    svi = SVI(normal_model, guide, pyro.optim.Adam({"lr": 0.01}), KLBallELBO(0.1))
+    svi.step(x, subsample_size=3)
+    assert pyro.param("AutoLowRankPlusDiagonalNormal.loc").device.type == "cuda"
