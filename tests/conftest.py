@@ -4,6 +4,7 @@
 * Pyro's parameter store is cleared and validation is on before every test; every test starts from seed 0
   unless it is marked ``@pytest.mark.init(rng_seed=...)``.
 * ``CI=1`` is set so tutorials and examples run in their fast smoke mode.
+* torch uses one thread per test worker.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import torch
 
 os.environ.setdefault("CI", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# The suite runs as `pytest -n 2` on 2 cores: one torch thread per worker. Two threads per worker make the small
+# tensors of these tests fight for the cores (measured 5-20x slower).
+torch.set_num_threads(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -18,6 +18,7 @@ def test_there_are_tutorials():
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("CI", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one torch thread in the kernel, as in the test workers
     nb = nbformat.read(path, as_version=4)
     assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), "commit without outputs"
     client = nbclient.NotebookClient(
