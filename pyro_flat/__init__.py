@@ -2,12 +2,12 @@
 
 Subpackages: :mod:`pyro_flat.data` (bundled and toy data), :mod:`pyro_flat.nn` (Bayesian networks as Pyro models),
 :mod:`pyro_flat.infer` (flat objectives, kernels, guides, BMA prediction), :mod:`pyro_flat.metrics` (uncertainty and
-flatness metrics), :mod:`pyro_flat.ops` (pure tensor maths) and :mod:`pyro_flat.bench` (the comparison harness,
-``python -m pyro_flat bench``).
+flatness metrics), :mod:`pyro_flat.optim` (closure-based optimizers: SAM, Bayesian SAM), :mod:`pyro_flat.ops` (pure
+tensor maths) and :mod:`pyro_flat.bench` (the comparison harness, ``python -m pyro_flat bench``).
 """
 
-from . import data, infer, metrics, nn, ops
+from . import data, infer, metrics, nn, ops, optim
 
 __version__ = "0.1.0"
 
-__all__ = ["data", "infer", "metrics", "nn", "ops", "__version__"]
+__all__ = ["data", "infer", "metrics", "nn", "ops", "optim", "__version__"]

@@ -42,24 +42,31 @@ from torch import Tensor
 
 def bsam_posterior_std(s: Sequence[Tensor], num_data: float) -> list[Tensor]:
     r"""The standard deviations :math:`\sigma = 1/\sqrt{N s}` of :math:`q`."""
-    return [torch.rsqrt(si * num_data) for si in s]
+    return list(torch._foreach_rsqrt(torch._foreach_mul(list(s), float(num_data))))
 
 
 def bsam_noisy_params(means: Sequence[Tensor], s: Sequence[Tensor], num_data: float, noise: Sequence[Tensor]) -> list[
     Tensor
 ]:
     r"""The noisy sample :math:`\theta = m + e/\sqrt{Ns}` for the given standard-normal ``noise`` :math:`e`."""
-    return [m + e * torch.rsqrt(si * num_data) for m, si, e in zip(means, s, noise, strict=True)]
+    return list(torch._foreach_addcmul(list(means), list(noise), bsam_posterior_std(s, num_data)))
+
+
+def bsam_perturbed_means(means: Sequence[Tensor], grads: Sequence[Tensor], s: Sequence[Tensor], rho: float) -> list[
+    Tensor
+]:
+    r"""The perturbed mean :math:`m + \epsilon` with :math:`\epsilon = \rho\, g / s` (elementwise; no norm)."""
+    return list(torch._foreach_addcdiv(list(means), list(grads), list(s), value=rho))
 
 
 def bsam_perturbation(grads: Sequence[Tensor], s: Sequence[Tensor], rho: float) -> list[Tensor]:
     r"""The perturbation of the mean :math:`\epsilon = \rho\, g / s` (elementwise; no norm)."""
-    return [rho * g / si for g, si in zip(grads, s, strict=True)]
+    return list(torch._foreach_mul(torch._foreach_div(list(grads), list(s)), rho))
 
 
 def bsam_curvature(grads: Sequence[Tensor], s: Sequence[Tensor]) -> list[Tensor]:
     r"""The curvature term of the :math:`s` update, :math:`\sqrt{s\, g^2} = \sqrt s\,|g|`."""
-    return [si.sqrt() * g.abs() for g, si in zip(grads, s, strict=True)]
+    return list(torch._foreach_mul(torch._foreach_sqrt(list(s)), torch._foreach_abs(list(grads))))
 
 
 @torch.no_grad()
@@ -112,6 +119,7 @@ __all__ = [
     "bsam_curvature",
     "bsam_noisy_params",
     "bsam_perturbation",
+    "bsam_perturbed_means",
     "bsam_posterior_std",
     "bsam_update_",
 ]

@@ -63,7 +63,7 @@ from torch.optim import Optimizer
 from ..ops.bayesian_sam import (
     bsam_curvature,
     bsam_noisy_params,
-    bsam_perturbation,
+    bsam_perturbed_means,
     bsam_posterior_std,
     bsam_update_,
 )
@@ -214,8 +214,7 @@ class BayesianSAM(Optimizer):
             for (group, ps, _, s), m in zip(groups, group_means, strict=True):
                 g = grads[pos : pos + len(ps)]
                 pos += len(ps)
-                eps = bsam_perturbation(g, s, group["rho"])
-                perturbed += [mi + ei for mi, ei in zip(m, eps, strict=True)]
+                perturbed += bsam_perturbed_means(m, g, s, group["rho"])
                 curvature += bsam_curvature(g, s)
             torch._foreach_copy_(params, perturbed)
             _, grads_perturbed = gradients_at(c, params)

@@ -8,6 +8,7 @@ from pyro_flat.ops.bayesian_sam import (
     bsam_curvature,
     bsam_noisy_params,
     bsam_perturbation,
+    bsam_perturbed_means,
     bsam_posterior_std,
     bsam_update_,
 )
@@ -25,6 +26,7 @@ def test_pieces_match_their_formulas():
     pairs = [
         (bsam_noisy_params(m, s, n, e), [mi + ei / (n * si).sqrt() for mi, si, ei in zip(m, s, e, strict=True)]),
         (bsam_perturbation(g, s, 0.3), [0.3 * gi / si for gi, si in zip(g, s, strict=True)]),
+        (bsam_perturbed_means(m, g, s, 0.3), [mi + 0.3 * gi / si for mi, gi, si in zip(m, g, s, strict=True)]),
         (bsam_curvature(g, s), [(si * gi**2).sqrt() for gi, si in zip(g, s, strict=True)]),
     ]
     for outs, refs in pairs:
