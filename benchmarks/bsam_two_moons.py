@@ -115,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
         return torch.maximum(p, 1 - p)
 
     rows = [
-        ("fraction of bSAM samples disagreeing with the majority", "–", disagree[near].mean(), disagree[far].mean()),
-        ("mean confidence max(p, 1-p), SGD", "", conf(p_sgd)[near].mean(), conf(p_sgd)[far].mean()),
-        ("mean confidence, bSAM mean network", "", conf(p_mean)[near].mean(), conf(p_mean)[far].mean()),
-        ("mean confidence, bSAM model average (20 samples)", "", conf(p_bma)[near].mean(), conf(p_bma)[far].mean()),
+        ("fraction of bSAM samples disagreeing with the majority", disagree[near].mean(), disagree[far].mean()),
+        ("mean confidence max(p, 1-p), SGD", conf(p_sgd)[near].mean(), conf(p_sgd)[far].mean()),
+        ("mean confidence, bSAM mean network", conf(p_mean)[near].mean(), conf(p_mean)[far].mean()),
+        (f"mean confidence, bSAM model average ({args.samples} samples)", conf(p_bma)[near].mean(),
+         conf(p_bma)[far].mean()),
     ]
     with torch.no_grad():
         train_acc = {
@@ -169,10 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Grid points near the data: {int(near.sum())} (within 0.3 of a training point); far: {int(far.sum())} "
         "(more than 1.0 away).",
         "",
-        "| quantity | | near the data | far from the data |",
-        "|---|---|---|---|",
+        "| quantity | near the data | far from the data |",
+        "|---|---|---|",
     ]
-    lines += [f"| {name} | {extra} | {float(a):.3f} | {float(b):.3f} |" for name, extra, a, b in rows]
+    lines += [f"| {name} | {float(a):.3f} | {float(b):.3f} |" for name, a, b in rows]
     text = "\n".join(lines) + "\n"
     (args.out / "two_moons.md").write_text(text)
     print(text)

@@ -304,6 +304,7 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
     :param loc: :math:`\mu`, shape ``[P]``.
     :param cov_diag: :math:`d > 0`, shape ``[P]``.
     :param cov_factor: :math:`W`, shape ``[P, K]`` (``K = 0`` gives a diagonal Gaussian).
+    :param validate_args: as for every torch distribution (default: Pyro's validation setting).
     """
 
     arg_constraints = {
