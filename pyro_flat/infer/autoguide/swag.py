@@ -79,19 +79,29 @@ class SWAGCollector:
     :param int max_rank: :math:`K_{\max}\ge1`, the number of deviation columns kept; default 20 (``max_num_models``
         of [1] and of the F-BNN code).
     :param float var_clamp: the lower clamp of the diagonal variance; default :math:`10^{-30}` (reference code).
+    :param dtype: the dtype the moments are accumulated in; default ``None``, the dtype of the first collected
+        values (as the reference code). ``torch.float64`` avoids the cancellation in :math:`m_2-\bar\theta^2` for
+        float32 weights whose variance is below about :math:`10^{-7}|\bar\theta|^2`. The guide casts back to the
+        values' dtype.
 
     Call :meth:`collect` with a dict ``{site: tensor}`` of the current iterate. The first call fixes the sites, their
     order (see the module docstring), shapes, dtype and device. ``num_collected`` counts the iterates; ``rank`` is
     :math:`K=\min(\text{num\_collected}, K_{\max})`.
     """
 
-    def __init__(self, max_rank: int = 20, *, var_clamp: float = VARIANCE_CLAMP) -> None:
+    def __init__(
+        self, max_rank: int = 20, *, var_clamp: float = VARIANCE_CLAMP, dtype: torch.dtype | None = None
+    ) -> None:
         if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
             raise ValueError(f"SWAGCollector: `max_rank` must be an int >= 1, got {max_rank!r}")
         if isinstance(var_clamp, bool) or not isinstance(var_clamp, (int, float)) or not var_clamp > 0:
             raise ValueError(f"SWAGCollector: `var_clamp` must be a number > 0, got {var_clamp!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"SWAGCollector: `dtype` must be a floating torch.dtype or None, got {dtype!r}")
         self.max_rank = max_rank
         self.var_clamp = float(var_clamp)
+        self.dtype = dtype
+        self.values_dtype: torch.dtype | None = None
         self.num_collected = 0
         self._shapes: dict[str, torch.Size] = {}
         self._mean: Tensor | None = None
@@ -128,9 +138,11 @@ class SWAGCollector:
         first = next(iter(values.values()))
         self._shapes = {name: value.shape for name, value in values.items()}
         size = sum(v.numel() for v in values.values())
-        self._mean = torch.zeros(size, dtype=first.dtype, device=first.device)
+        self.values_dtype = first.dtype
+        dtype = first.dtype if self.dtype is None else self.dtype
+        self._mean = torch.zeros(size, dtype=dtype, device=first.device)
         self._sq_mean = torch.zeros_like(self._mean)
-        self._deviations = DeviationBuffer(self.max_rank, size, dtype=first.dtype, device=first.device)
+        self._deviations = DeviationBuffer(self.max_rank, size, dtype=dtype, device=first.device)
 
     @torch.no_grad()
     def collect(self, values: Mapping[str, Tensor]) -> None:
@@ -263,6 +275,7 @@ class SWAGCollector:
             "var_clamp": self.var_clamp,
             "num_collected": self.num_collected,
             "sites": {k: tuple(v) for k, v in self._shapes.items()},
+            "values_dtype": self.values_dtype,
         }
         if self._mean is not None:
             state["mean"] = self._mean.clone()
@@ -278,6 +291,7 @@ class SWAGCollector:
         self.var_clamp = float(state["var_clamp"])
         self.num_collected = int(state["num_collected"])
         self._shapes = {k: torch.Size(v) for k, v in state["sites"].items()}
+        self.values_dtype = state.get("values_dtype")
         if "mean" not in state:
             self._mean = self._sq_mean = self._deviations = None
             return
@@ -440,9 +454,10 @@ class AutoSWAG(AutoContinuous):
         deviations = collector.deviation_matrix()
         if self.diagonal_only:
             deviations = deviations[:, :0]
-        self.register_buffer("swag_mean", collector.flat_mean())
-        self.register_buffer("swag_variance", flat_variance)
-        self.register_buffer("swag_deviations", deviations)
+        dtype = collector.values_dtype
+        self.register_buffer("swag_mean", collector.flat_mean().to(dtype))
+        self.register_buffer("swag_variance", flat_variance.to(dtype))
+        self.register_buffer("swag_deviations", deviations.to(dtype))
 
     def _prototype_hide_fn(self, msg: dict) -> bool:
         # the guide covers exactly the collected sites; the model draws every other site itself (e.g. the

@@ -233,6 +233,30 @@ def test_guide_state_dict_round_trip_and_pickle():
     torch.testing.assert_close(guide_a.swag_mean, before, rtol=0, atol=0)
 
 
+def test_float64_accumulation_of_float32_iterates():
+    # float32 weights of size ~1 moving by ~1e-5: m2 - mean² cancels in float32, not in float64
+    base = torch.ones(3, 50, dtype=torch.float32)
+    steps = torch.randn(30, 3, 50, dtype=torch.float64) * 1e-5
+    iterates = [{"w": (base + s).float(), "b": torch.zeros(3, dtype=torch.float32) + i} for i, s in
+                enumerate(steps)]
+    exact = torch.stack([it["w"].double() for it in iterates]).var(0, unbiased=False)
+    accurate, naive = SWAGCollector(max_rank=5, dtype=torch.float64), SWAGCollector(max_rank=5)
+    for it in iterates:
+        accurate.collect(it)
+        naive.collect(it)
+    torch.testing.assert_close(accurate.variance()["w"], exact, rtol=1e-4, atol=0)  # m2 - mean² still cancels ~1e-10
+    assert ((naive.variance()["w"].double() - exact).abs() / exact).max() > 0.1
+    guide = accurate.guide(_linear_model_small, diagonal_only=True, scale=1.0)
+    assert guide.swag_mean.dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        SWAGCollector(dtype=torch.int64)
+
+
+def _linear_model_small():
+    pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 50]).to_event(2))
+    pyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+
 def test_num_clamped_reports_constant_coordinates():
     collector = SWAGCollector(max_rank=3)
     for it in _sgd_iterates(3):
