@@ -4,4 +4,5 @@ from . import (
     baselines,  # noqa: F401
     kl_ball,  # noqa: F401
     sgmcmc,  # noqa: F401
+    trajectory,  # noqa: F401
 )

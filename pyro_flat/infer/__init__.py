@@ -1,14 +1,20 @@
 """Inference for flat posteriors: objectives (ELBOs), MCMC kernels, guides, averaging, and BMA prediction."""
 
-from . import mcmc
-from .autoguide import AutoLowRankPlusDiagonalNormal
+from . import autoguide, averaging, mcmc
+from .autoguide import AutoLowRankPlusDiagonalNormal, AutoSWAG, SWAGCollector
+from .averaging import HWA
 from .elbo import KLBallELBO
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
 from .util import is_latent_site, is_subsample_site, latent_sites
 
 __all__ = [
+    "autoguide",
+    "averaging",
     "mcmc",
+    "AutoSWAG",
+    "HWA",
+    "SWAGCollector",
     "SGLD",
     "SGHMC",
     "EntropyMCMC",

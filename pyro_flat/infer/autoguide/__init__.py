@@ -1,5 +1,8 @@
-"""Autoguides for flat posteriors: subclasses of Pyro's :class:`~pyro.infer.autoguide.AutoGuide`."""
+"""Autoguides for flat posteriors (subclasses of Pyro's :class:`~pyro.infer.autoguide.AutoGuide`): the SWAG guide
+built from any trajectory (:class:`AutoSWAG`, :class:`SWAGCollector`) and the trainable low-rank-plus-diagonal
+Gaussian guide of SA-BMA (:class:`AutoLowRankPlusDiagonalNormal`)."""
 
 from .low_rank import AutoLowRankPlusDiagonalNormal
+from .swag import AutoSWAG, LowRankPlusDiagonalNormal, SWAGCollector
 
-__all__ = ["AutoLowRankPlusDiagonalNormal"]
+__all__ = ["AutoLowRankPlusDiagonalNormal", "AutoSWAG", "LowRankPlusDiagonalNormal", "SWAGCollector"]

@@ -1,0 +1,519 @@
+r"""SWAG: a Gaussian posterior (diagonal plus rank :math:`K`) from the iterates of any trajectory, as a Pyro guide.
+
+SWAG [1] collects iterates :math:`\theta_i` of a trajectory — usually once per epoch after ``swa_start`` — and keeps
+their running mean :math:`\bar\theta` (that alone is SWA [2]), their running mean of squares :math:`m_2` and the last
+:math:`K` deviations :math:`D_{:,i}=\theta_i-\bar\theta` (from the *updated* mean). The posterior at scale
+:math:`\lambda` is
+
+.. math::
+    q(\theta) = \mathcal N\Big(\bar\theta,\ \lambda\big(\Sigma_{\mathrm{diag}} + \tfrac{1}{K-1}DD^\top\big)\Big),
+    \qquad \Sigma_{\mathrm{diag}} = \max(m_2-\bar\theta^2,\ 10^{-30}),
+
+sampled as :math:`\tilde\theta=\bar\theta+\sqrt\lambda(\Sigma_{\mathrm{diag}}^{1/2}z_1+Dz_2/\sqrt{K-1})`
+(:mod:`pyro_flat.ops.moments`). :math:`\lambda=\tfrac12` is the paper's SWAG; SWAG-Diagonal drops :math:`D` and uses
+:math:`\lambda=1`; the F-BNN code evaluates F-SWAG at 0.1 and F-SWAG-Diagonal at 0.2 [3].
+
+Two objects:
+
+* :class:`SWAGCollector` — collects ``{site: value}`` dicts from any trajectory (pure bookkeeping, no Pyro state).
+* :class:`AutoSWAG` — the post-hoc Pyro guide built from a collector (:meth:`SWAGCollector.guide`), an
+  :class:`~pyro.infer.autoguide.AutoContinuous` whose parameters are **buffers** (like the guide
+  :class:`~pyro.infer.autoguide.AutoLaplaceApproximation` returns): usable by ``Predictive(model, guide=swag)``,
+  :func:`~pyro_flat.infer.guide_draws` and :func:`~pyro_flat.infer.bma_predict` (which recomputes BatchNorm statistics
+  for every draw when given ``batchnorm_inputs``).
+
+**Collecting from any trajectory** (the values are in *unconstrained* space, which for real-valued network weights is
+the latent space itself):
+
+* SGD/Adam MAP with ``AutoDelta`` through Pyro's ``SVI``, or the means of an SVI guide (``AutoNormal``):
+  ``callback = collector.callback(guide.median, every=steps_per_epoch, start=swa_start_step)``, called as
+  ``callback(step)`` after every step (``pyro_flat.bench.run_svi(..., callback=callback)`` does that).
+* SAM / bSAM / any torch optimizer on a dict of tensors ``theta``: ``collector.collect(theta)`` once per epoch
+  (SWAG from SAM iterates **is F-SWAG** [3]).
+* SG-MCMC (SGLD) through Pyro's ``MCMC``: ``MCMC(kernel, ..., hook_fn=collector.mcmc_hook(every=10))`` (Pyro
+  passes the kernel's unconstrained state), or afterwards ``collector.collect_samples(mcmc.get_samples())``.
+
+**Flattening order.** The flat vectors (:meth:`SWAGCollector.flat_mean`, :meth:`~SWAGCollector.flat_variance`,
+:meth:`~SWAGCollector.deviation_matrix`) concatenate the sites in the order of the first collected dict. Collected from
+``guide.median()`` of an ``AutoDelta``/``AutoNormal`` or from :func:`pyro_flat.infer.latent_sites` of a model trace,
+that order *is* the model's trace order, which is also the packing order of Pyro's
+:class:`~pyro.infer.autoguide.AutoContinuous` guides; :class:`AutoSWAG` checks the sites against the model and
+reorders if a collector was filled in another order (e.g. from ``mcmc.get_samples()``).
+
+References:
+    [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov, Pavel Izmailov,
+        Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
+    [2] `Averaging Weights Leads to Wider Optima and Better Generalization`, Pavel Izmailov, Dmitrii Podoprikhin,
+        Timur Garipov, Dmitry Vetrov, Andrew Gordon Wilson (UAI 2018), arXiv:1803.05407
+    [3] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+        Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.infer.autoguide import AutoContinuous
+from pyro.infer.autoguide.guides import prototype_hide_fn
+from pyro.infer.autoguide.initialization import init_to_sample
+from torch import Tensor
+
+from ...ops.moments import VARIANCE_CLAMP, DeviationBuffer, diagonal_variance, update_running_moments
+
+
+def _check_scale(scale: float) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"`scale` must be a finite number > 0, got {scale!r}")
+    return float(scale)
+
+
+class SWAGCollector:
+    r"""Running SWAG moments of the iterates of a trajectory: :math:`\bar\theta`, :math:`m_2` and the last
+    :math:`K` deviations.
+
+    :param int max_rank: :math:`K_{\max}\ge1`, the number of deviation columns kept; default 20 (``max_num_models``
+        of [1] and of the F-BNN code).
+    :param float var_clamp: the lower clamp of the diagonal variance; default :math:`10^{-30}` (reference code).
+    :param dtype: the dtype the moments are accumulated in; default ``None``, the dtype of the first collected
+        values (as the reference code). ``torch.float64`` avoids the cancellation in :math:`m_2-\bar\theta^2` for
+        float32 weights whose variance is below about :math:`10^{-7}|\bar\theta|^2`. The guide casts back to the
+        values' dtype.
+
+    Call :meth:`collect` with a dict ``{site: tensor}`` of the current iterate. The first call fixes the sites, their
+    order (see the module docstring), shapes, dtype and device. ``num_collected`` counts the iterates; ``rank`` is
+    :math:`K=\min(\text{num\_collected}, K_{\max})`.
+    """
+
+    def __init__(
+        self, max_rank: int = 20, *, var_clamp: float = VARIANCE_CLAMP, dtype: torch.dtype | None = None
+    ) -> None:
+        if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
+            raise ValueError(f"SWAGCollector: `max_rank` must be an int >= 1, got {max_rank!r}")
+        if isinstance(var_clamp, bool) or not isinstance(var_clamp, (int, float)) or not var_clamp > 0:
+            raise ValueError(f"SWAGCollector: `var_clamp` must be a number > 0, got {var_clamp!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"SWAGCollector: `dtype` must be a floating torch.dtype or None, got {dtype!r}")
+        self.max_rank = max_rank
+        self.var_clamp = float(var_clamp)
+        self.dtype = dtype
+        self.values_dtype: torch.dtype | None = None
+        self.num_collected = 0
+        self._shapes: dict[str, torch.Size] = {}
+        self._mean: Tensor | None = None
+        self._sq_mean: Tensor | None = None
+        self._deviations: DeviationBuffer | None = None
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # collection
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def _flatten(self, values: Mapping[str, Tensor]) -> Tensor:
+        if not isinstance(values, Mapping) or not values:
+            raise ValueError(f"SWAGCollector.collect: expected a non-empty dict {{site: tensor}}, got {values!r}")
+        if set(values) != set(self._shapes):
+            raise ValueError(
+                f"SWAGCollector.collect: the sites changed; collected so far {list(self._shapes)}, got {list(values)}"
+            )
+        parts = []
+        for name, shape in self._shapes.items():
+            value = values[name]
+            if value.shape != shape:
+                raise ValueError(
+                    f"SWAGCollector.collect: site {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+                )
+            parts.append(value.detach().reshape(-1))
+        return torch.cat(parts).to(dtype=self._mean.dtype, device=self._mean.device)
+
+    def _allocate(self, values: Mapping[str, Tensor]) -> None:
+        if not isinstance(values, Mapping) or not values:
+            raise ValueError(f"SWAGCollector.collect: expected a non-empty dict {{site: tensor}}, got {values!r}")
+        for name, value in values.items():
+            if not isinstance(value, Tensor) or not value.is_floating_point():
+                raise ValueError(f"SWAGCollector.collect: site {name!r} must be a floating-point tensor")
+        first = next(iter(values.values()))
+        self._shapes = {name: value.shape for name, value in values.items()}
+        size = sum(v.numel() for v in values.values())
+        self.values_dtype = first.dtype
+        dtype = first.dtype if self.dtype is None else self.dtype
+        self._mean = torch.zeros(size, dtype=dtype, device=first.device)
+        self._sq_mean = torch.zeros_like(self._mean)
+        self._deviations = DeviationBuffer(self.max_rank, size, dtype=dtype, device=first.device)
+
+    @torch.no_grad()
+    def collect(self, values: Mapping[str, Tensor]) -> None:
+        r"""Add one iterate ``{site: value}``: update :math:`\bar\theta`, :math:`m_2` and append
+        :math:`\theta-\bar\theta` (new mean) to the deviations. No host synchronisation."""
+        if self._mean is None:
+            self._allocate(values)
+        theta = self._flatten(values)
+        update_running_moments(self._mean, self._sq_mean, theta, self.num_collected)
+        self._deviations.append(theta - self._mean)
+        self.num_collected += 1
+
+    def collect_samples(self, samples: Mapping[str, Tensor]) -> None:
+        """Collect every draw of stacked samples ``{site: [S, ...]}`` (e.g. ``mcmc.get_samples()``), in order."""
+        if not samples:
+            raise ValueError("SWAGCollector.collect_samples: `samples` is empty")
+        sizes = {v.shape[0] for v in samples.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"SWAGCollector.collect_samples: sites hold different numbers of draws {sizes}")
+        for i in range(sizes.pop()):
+            self.collect({k: v[i] for k, v in samples.items()})
+
+    def callback(
+        self, source: Callable[[], Mapping[str, Tensor]], *, every: int, start: int = 0
+    ) -> Callable[[int], None]:
+        """A ``callback(step)`` (0-based step index, called after each step) collecting ``source()`` after every
+        ``every``-th step past ``start``: after steps ``start + every - 1``, ``start + 2 every - 1``, ...
+
+        :param source: returns the current iterate, e.g. ``guide.median`` (``AutoDelta`` or the means of an
+            ``AutoNormal``).
+        :param int every: steps between collections (``steps_per_epoch`` for once per epoch), >= 1.
+        :param int start: the number of steps before collection starts (``swa_start`` epochs x steps per epoch).
+        """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"SWAGCollector.callback: `every` must be an int >= 1, got {every!r}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"SWAGCollector.callback: `start` must be an int >= 0, got {start!r}")
+
+        def callback(step: int) -> None:
+            done = step + 1 - start
+            if done > 0 and done % every == 0:
+                self.collect(source())
+
+        return callback
+
+    def mcmc_hook(self, every: int = 1) -> Callable[[object, Mapping[str, Tensor], str, int], None]:
+        """A ``hook_fn`` for :class:`pyro.infer.MCMC` collecting every ``every``-th sample of the sampling phase
+        (not warm-up) from the kernel's unconstrained state."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"SWAGCollector.mcmc_hook: `every` must be an int >= 1, got {every!r}")
+
+        def hook(kernel: object, params: Mapping[str, Tensor], stage: str, i: int) -> None:
+            if stage.startswith("Sample") and i % every == 0:
+                self.collect(params)
+
+        return hook
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # the moments
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def _check_collected(self, what: str) -> None:
+        if self.num_collected == 0:
+            raise ValueError(f"SWAGCollector.{what}: nothing has been collected yet")
+
+    @property
+    def rank(self) -> int:
+        """:math:`K`, the number of deviation columns held."""
+        return 0 if self._deviations is None else self._deviations.rank
+
+    @property
+    def sites(self) -> dict[str, torch.Size]:
+        """The collected sites and their shapes, in flattening order."""
+        return dict(self._shapes)
+
+    def _unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        out, pos = {}, 0
+        for name, shape in self._shapes.items():
+            n = math.prod(shape)
+            out[name] = flat[pos : pos + n].reshape(shape)
+            pos += n
+        return out
+
+    def flat_mean(self) -> Tensor:
+        r""":math:`\bar\theta` (SWA), shape ``[P]``."""
+        self._check_collected("flat_mean")
+        return self._mean.clone()
+
+    def flat_second_moment(self) -> Tensor:
+        r""":math:`m_2`, the running mean of squares, shape ``[P]``."""
+        self._check_collected("flat_second_moment")
+        return self._sq_mean.clone()
+
+    def flat_variance(self) -> Tensor:
+        r""":math:`\Sigma_{\mathrm{diag}}=\max(m_2-\bar\theta^2, \text{var\_clamp})`, shape ``[P]``."""
+        self._check_collected("flat_variance")
+        return diagonal_variance(self._mean, self._sq_mean, self.var_clamp)
+
+    def deviation_matrix(self) -> Tensor:
+        r""":math:`D`, shape ``[P, K]``, oldest column first."""
+        self._check_collected("deviation_matrix")
+        return self._deviations.matrix()
+
+    def num_clamped(self) -> Tensor:
+        r"""How many coordinates have :math:`m_2-\bar\theta^2\le` ``var_clamp`` (their variance is the clamp), as a
+        0-d tensor (no host sync); with few iterates or a converged trajectory this can be most of them."""
+        self._check_collected("num_clamped")
+        return ((self._sq_mean - self._mean.square()) <= self.var_clamp).sum()
+
+    def mean(self) -> dict[str, Tensor]:
+        """:meth:`flat_mean` per site (the SWA solution)."""
+        return self._unflatten(self.flat_mean())
+
+    def variance(self) -> dict[str, Tensor]:
+        """:meth:`flat_variance` per site."""
+        return self._unflatten(self.flat_variance())
+
+    def second_moment(self) -> dict[str, Tensor]:
+        """:meth:`flat_second_moment` per site."""
+        return self._unflatten(self.flat_second_moment())
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # persistence and the guide
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume collection (tensors are copies)."""
+        state: dict[str, Any] = {
+            "max_rank": self.max_rank,
+            "var_clamp": self.var_clamp,
+            "num_collected": self.num_collected,
+            "sites": {k: tuple(v) for k, v in self._shapes.items()},
+            "values_dtype": self.values_dtype,
+        }
+        if self._mean is not None:
+            state["mean"] = self._mean.clone()
+            state["sq_mean"] = self._sq_mean.clone()
+            state["deviation_rows"] = self._deviations.rows.clone()
+            state["num_appended"] = self._deviations.num_appended
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (the ``max_rank`` must match)."""
+        if state["max_rank"] != self.max_rank:
+            raise ValueError(f"SWAGCollector.load_state_dict: max_rank {state['max_rank']} != {self.max_rank}")
+        self.var_clamp = float(state["var_clamp"])
+        self.num_collected = int(state["num_collected"])
+        self._shapes = {k: torch.Size(v) for k, v in state["sites"].items()}
+        self.values_dtype = state.get("values_dtype")
+        if "mean" not in state:
+            self._mean = self._sq_mean = self._deviations = None
+            return
+        mean = state["mean"]
+        self._mean = mean.clone()
+        self._sq_mean = state["sq_mean"].clone()
+        self._deviations = DeviationBuffer(self.max_rank, mean.numel(), dtype=mean.dtype, device=mean.device)
+        self._deviations.rows.copy_(state["deviation_rows"])
+        self._deviations.num_appended = int(state["num_appended"])
+
+    def guide(self, model: Callable, scale: float = 0.5, diagonal_only: bool = False) -> AutoSWAG:
+        """The :class:`AutoSWAG` guide of the current moments (a snapshot: later collection does not change it)."""
+        return AutoSWAG(model, self, scale=scale, diagonal_only=diagonal_only)
+
+
+class LowRankPlusDiagonalNormal(dist.TorchDistribution):
+    r"""The Gaussian :math:`\mathcal N(\mu,\ \operatorname{diag}(d) + WW^\top)` sampled as
+    :math:`\mu + d^{1/2}\odot z_1 + Wz_2` (SWAG's sampler).
+
+    Unlike :class:`~pyro.distributions.LowRankMultivariateNormal`, nothing is factorised at construction (the
+    capacitance matrix of that class can fail to factorise when SWAG clamps variances to :math:`10^{-30}`): sampling
+    costs :math:`O(PK)`, and :meth:`log_prob` builds the low-rank factorisation only when called.
+
+    :param loc: :math:`\mu`, shape ``[P]``.
+    :param cov_diag: :math:`d > 0`, shape ``[P]``.
+    :param cov_factor: :math:`W`, shape ``[P, K]`` (``K = 0`` gives a diagonal Gaussian).
+    :param validate_args: as for every torch distribution (default: Pyro's validation setting).
+    """
+
+    arg_constraints = {
+        "loc": constraints.real_vector,
+        "cov_diag": constraints.independent(constraints.positive, 1),
+        "cov_factor": constraints.independent(constraints.real, 2),
+    }
+    support = constraints.real_vector
+    has_rsample = True
+
+    def __init__(self, loc: Tensor, cov_diag: Tensor, cov_factor: Tensor, validate_args: bool | None = None) -> None:
+        if loc.dim() != 1 or cov_diag.shape != loc.shape or cov_factor.dim() != 2 or cov_factor.shape[0] != len(loc):
+            raise ValueError(
+                f"expected loc [P], cov_diag [P], cov_factor [P, K]; got {tuple(loc.shape)}, {tuple(cov_diag.shape)}, "
+                f"{tuple(cov_factor.shape)}"
+            )
+        self.loc, self.cov_diag, self.cov_factor = loc, cov_diag, cov_factor
+        super().__init__(torch.Size(), loc.shape, validate_args=validate_args)
+
+    @property
+    def mean(self) -> Tensor:
+        return self.loc
+
+    @property
+    def variance(self) -> Tensor:
+        return self.cov_diag + self.cov_factor.square().sum(-1)
+
+    def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+        shape = torch.Size(sample_shape)
+        z1 = torch.randn(shape + self.loc.shape, dtype=self.loc.dtype, device=self.loc.device)
+        out = self.loc + self.cov_diag.sqrt() * z1
+        rank = self.cov_factor.shape[-1]
+        if rank > 0:
+            z2 = torch.randn(shape + (rank,), dtype=self.loc.dtype, device=self.loc.device)
+            out = out + z2 @ self.cov_factor.T
+        return out
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        if self.cov_factor.shape[-1] == 0:
+            return dist.Normal(self.loc, self.cov_diag.sqrt()).log_prob(value).sum(-1)
+        return torch.distributions.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag).log_prob(value)
+
+    def expand(self, batch_shape: torch.Size, _instance: object = None) -> dist.TorchDistribution:
+        if tuple(batch_shape) != ():
+            raise NotImplementedError("LowRankPlusDiagonalNormal has no batch dimensions")
+        return self
+
+
+class _InitToValues:
+    """An ``init_loc_fn`` returning given values (the SWA mean) for their sites, a prior draw for any other site."""
+
+    def __init__(self, values: Mapping[str, Tensor]) -> None:
+        self.values = dict(values)
+
+    def __call__(self, site: dict) -> Tensor:
+        if site["name"] in self.values:
+            return self.values[site["name"]].detach().clone()
+        return init_to_sample(site)
+
+
+class AutoSWAG(AutoContinuous):
+    r"""The SWAG posterior of a :class:`SWAGCollector` as a post-hoc Pyro guide (parameters are buffers).
+
+    .. math::
+        q(\theta) = \mathcal N\Big(\bar\theta,\ \lambda\big(\Sigma_{\mathrm{diag}} + \tfrac{1}{K-1}DD^\top\big)\Big)
+
+    over the model's latent sites in unconstrained space; sampling is
+    :math:`\bar\theta+\sqrt\lambda(\Sigma_{\mathrm{diag}}^{1/2}z_1 + Dz_2/\sqrt{K-1})`, as the reference
+    ``sample(scale, cov=True)``, with :math:`K` the number of deviation columns *held* (the reference divides by
+    ``max_num_models - 1`` even before that many exist). ``median()`` is :math:`\bar\theta`, the SWA solution.
+
+    :param model: the Pyro model whose latent sites were collected (same names and shapes).
+    :param SWAGCollector collector: the moments; copied at construction (later collection does not change the guide).
+    :param float scale: :math:`\lambda>0`; default 0.5 (SWAG [1]). Use 1.0 with ``diagonal_only`` for SWAG-Diagonal;
+        F-BNN [3] uses 0.1 (F-SWAG) and 0.2 (F-SWAG-Diagonal).
+    :param bool diagonal_only: drop the low-rank term (SWAG-Diagonal); default ``False``. Without it the collector
+        must hold :math:`K\ge2` columns.
+    :param variance: a per-site diagonal variance (> 0) used *instead of* the collector's
+        :math:`\Sigma_{\mathrm{diag}}` (e.g. the variance rules of :class:`~pyro_flat.infer.averaging.HWA`); default
+        ``None`` (the collector's).
+    :raises ValueError: if nothing was collected, for a bad ``scale``, or a low-rank guide with :math:`K<2`; at the
+        first call, if the model's latent sites differ from the collected ones.
+
+    Example::
+
+        collector = SWAGCollector(max_rank=20)
+        run_svi(problem, model, delta_guide, callback=collector.callback(delta_guide.median, every=spe, start=s0))
+        swag = collector.guide(model, scale=0.5)
+        logits = Predictive(model, guide=swag, num_samples=30, return_sites=["logits"])(x_test)["logits"]
+
+    References:
+        [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov,
+            Pavel Izmailov, Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
+        [3] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        collector: SWAGCollector,
+        *,
+        scale: float = 0.5,
+        diagonal_only: bool = False,
+        variance: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        if not isinstance(collector, SWAGCollector):
+            raise ValueError(f"AutoSWAG: `collector` must be a SWAGCollector, got {type(collector).__name__}")
+        if collector.num_collected == 0:
+            raise ValueError("AutoSWAG: the collector is empty; collect iterates first")
+        self.scale = _check_scale(scale)
+        self.diagonal_only = bool(diagonal_only)
+        if not self.diagonal_only and collector.rank < 2:
+            raise ValueError(
+                f"AutoSWAG: the low-rank term needs K >= 2 deviation columns, the collector holds {collector.rank}; "
+                "collect more iterates or use diagonal_only=True"
+            )
+        self._collected_shapes = collector.sites
+        super().__init__(model, init_loc_fn=_InitToValues(collector.mean()))
+        flat_variance = collector.flat_variance()
+        if variance is not None:
+            if not isinstance(variance, Mapping) or set(variance) != set(self._collected_shapes):
+                raise ValueError(f"AutoSWAG: `variance` must be a dict over the sites {list(self._collected_shapes)}")
+            for name, shape in self._collected_shapes.items():
+                if variance[name].shape != shape:
+                    raise ValueError(f"AutoSWAG: `variance[{name!r}]` must have shape {tuple(shape)}")
+            given = torch.cat([variance[k].detach().reshape(-1) for k in self._collected_shapes]).to(flat_variance)
+            if not bool((given > 0).all()):
+                raise ValueError("AutoSWAG: `variance` must be > 0 everywhere")
+            flat_variance = given
+        deviations = collector.deviation_matrix()
+        if self.diagonal_only:
+            deviations = deviations[:, :0]
+        dtype = collector.values_dtype
+        self.register_buffer("swag_mean", collector.flat_mean().to(dtype))
+        self.register_buffer("swag_variance", flat_variance.to(dtype))
+        self.register_buffer("swag_deviations", deviations.to(dtype))
+
+    def _prototype_hide_fn(self, msg: dict) -> bool:
+        # the guide covers exactly the collected sites; the model draws every other site itself (e.g. the
+        # observation site, which is not observed when Predictive calls the model without targets)
+        return prototype_hide_fn(msg) or msg["name"] not in self._collected_shapes
+
+    def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._setup_prototype(*args, **kwargs)
+        except RuntimeError:  # AutoContinuous found none of the collected sites in the model
+            if self.prototype_trace is None:
+                raise
+        found = [name for name, _ in self.prototype_trace.iter_stochastic_nodes()]
+        missing = [name for name in self._collected_shapes if name not in found]
+        if missing:
+            self.prototype_trace = None
+            raise ValueError(
+                f"AutoSWAG: the collected sites {missing} are not latent sample sites of the model (its latent sites "
+                f"among the collected ones: {found})"
+            )
+        model_shapes = dict(self._unconstrained_shapes)
+        for name, shape in model_shapes.items():
+            if torch.Size(shape) != torch.Size(self._collected_shapes[name]):
+                raise ValueError(
+                    f"AutoSWAG: site {name!r} has unconstrained shape {tuple(shape)} in the model, "
+                    f"{tuple(self._collected_shapes[name])} in the collector"
+                )
+        offsets, pos = {}, 0
+        for name, shape in self._collected_shapes.items():
+            offsets[name] = pos
+            pos += math.prod(shape)
+        index = torch.cat(
+            [torch.arange(offsets[n], offsets[n] + math.prod(s)) for n, s in model_shapes.items()]
+        ).to(self.swag_mean.device)
+        identity = bool((index == torch.arange(len(index), device=index.device)).all())
+        self._order = None if identity else index
+
+    def _ordered(self, t: Tensor) -> Tensor:
+        return t if self._order is None else t[self._order.to(t.device)]
+
+    def get_posterior(self, *args: Any, **kwargs: Any) -> dist.TorchDistribution:
+        """The Gaussian over the packed unconstrained latent vector (model trace order)."""
+        rank = self.swag_deviations.shape[-1]
+        factor = self._ordered(self.swag_deviations)
+        if rank > 0:
+            factor = factor * math.sqrt(self.scale / (rank - 1))
+        return LowRankPlusDiagonalNormal(self._ordered(self.swag_mean), self.scale * self._ordered(self.swag_variance),
+                                         factor)
+
+    def _loc_scale(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """The mean and marginal standard deviations (for ``median()`` and ``quantiles()``; pass the model's
+        arguments the first time if the guide has not been called yet)."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        posterior = self.get_posterior()
+        return posterior.mean, posterior.variance.sqrt()
+
+
+__all__ = ["AutoSWAG", "LowRankPlusDiagonalNormal", "SWAGCollector"]

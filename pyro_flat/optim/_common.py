@@ -1,0 +1,52 @@
+"""Validation and closure handling shared by the closure-based optimizers of :mod:`pyro_flat.optim`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+Closure = Callable[[], Tensor | None]
+"""A closure: evaluates the (mean) minibatch loss at the current parameters and calls ``backward()`` on it."""
+
+
+def check_real(owner: str, name: str, value: object, *, low: float, low_inclusive: bool = True,
+               high: float = math.inf, high_inclusive: bool = False) -> float:
+    """``value`` as a float, or a ``ValueError`` naming ``owner``'s argument ``name`` and the accepted range."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value >= low if low_inclusive else value > low) and (value <= high if high_inclusive else value < high)
+    if not ok:
+        left, right = "[" if low_inclusive else "(", "]" if high_inclusive else ")"
+        raise ValueError(f"{owner}: `{name}` must be a finite number in {left}{low}, {high}{right}, got {value!r}")
+    return float(value)
+
+
+def as_closures(owner: str, closure: Closure | Sequence[Closure] | None) -> list[Closure]:
+    """One closure, or one per sub-batch (m-sharpness), as a non-empty list."""
+    if closure is None:
+        raise ValueError(f"{owner}.step needs a closure that computes the loss and calls backward()")
+    closures = [closure] if callable(closure) else list(closure)
+    if not closures or not all(callable(c) for c in closures):
+        raise ValueError(f"{owner}.step: `closure` must be a callable or a non-empty sequence of callables")
+    return closures
+
+
+def gradients_at(closure: Closure, params: Sequence[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
+    """Zero the gradients, run ``closure`` with grad enabled, and return its loss (detached) and the gradients
+    (zeros for parameters the loss does not depend on)."""
+    for p in params:
+        p.grad = None
+    with torch.enable_grad():
+        loss = closure()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    return (None if loss is None else loss.detach()), grads
+
+
+def mean_loss(losses: Sequence[Tensor | None]) -> Tensor | None:
+    """The mean of the closures' losses (``None`` if a closure returned ``None``), without a host sync."""
+    if any(loss is None for loss in losses):
+        return None
+    return losses[0] if len(losses) == 1 else torch.stack(list(losses)).mean()

@@ -1,0 +1,304 @@
+r"""Bayesian SAM (bSAM): a closure-based :class:`torch.optim.Optimizer` that learns a diagonal Gaussian posterior.
+
+bSAM [1] optimises the relaxed Bayes objective of "SAM as an Optimal Relaxation of Bayes" with the Bayesian learning
+rule, over the family :math:`q(\theta)=\mathcal N\big(m,\ \operatorname{diag}(1/(Ns))\big)`: the parameters hold
+the mean :math:`m`, the state holds the precision-like vector :math:`s` (posterior precision :math:`Ns`) and the
+momentum :math:`g_m`. One step draws a noisy sample :math:`\theta=m+e/\sqrt{Ns}`, takes the gradient :math:`g` of
+the mean minibatch loss there, perturbs the *mean* by the unnormalised :math:`\epsilon=\rho g/s`, takes the gradient
+:math:`g_\epsilon` at :math:`m+\epsilon` and updates
+
+.. math::
+    g_m \leftarrow \beta_1 g_m + (1-\beta_1)(g_\epsilon + \delta m),\qquad
+    m \leftarrow m - \alpha\,g_m/s,\qquad
+    s \leftarrow \beta_2 s + (1-\beta_2)\big(\sqrt s\,|g| + \gamma + \delta\big),
+
+with :math:`\delta=\text{prior\_precision}/N`: the target is the posterior under the prior
+:math:`\mathcal N(0, \text{prior\_precision}^{-1} I)` of a model whose negative log-likelihood is
+:math:`N\bar\ell(\theta)`. The equations, the m-sharpness average and a derived fixed point are in
+:mod:`pyro_flat.ops.bayesian_sam` (one implementation, shared with the tests). This follows ``optim.py``
+(``build_bsam_optimizer``) of github.com/team-approx-bayes/bayesian-sam exactly, including what it omits: no bias
+correction, the mean step uses the old :math:`s`, and :math:`s` already contains :math:`\gamma+\delta`, so the sample
+variance is :math:`1/(Ns)`.
+
+**With** :math:`\rho=0` the second gradient is taken at the mean itself, :math:`g_\epsilon=\nabla\bar\ell(m)`,
+and bSAM becomes a variational-online-Newton-type method (an Adam-like natural-gradient update of a diagonal
+Gaussian, as VOGN/IVON): the mean moves along the gradient at :math:`m` preconditioned by :math:`s`, while :math:`s`
+tracks :math:`\sqrt s|g|` at noisy samples. It still costs two gradient evaluations.
+
+**Pyro-facing form.** Run bSAM on the parameters of an ``AutoDelta`` guide (in unconstrained space, which equals the
+latent space for real-valued network weights); the closure returns the *mean negative log-likelihood* of a fixed
+minibatch at the guide's values — no prior term, since the prior enters through ``prior_precision`` (use
+:math:`1/s_0^2` for a :math:`\mathcal N(0,s_0^2)` prior) — and posterior draws come from
+:meth:`BayesianSAM.sampled_params`::
+
+    guide = AutoDelta(model, init_loc_fn=init_to_network(model))
+    guide(x[:1])                                                  # create the guide's parameters
+    opt = BayesianSAM(guide.parameters(), lr=0.1, num_data=N, prior_precision=1 / prior_scale**2)
+    for idx in torch.randperm(N).split(B):
+        nll = model_loss_fn(model, x[idx], y[idx], num_data=N)    # pyro_flat.metrics: theta -> mean NLL
+
+        def closure():
+            loss = nll(guide())                                   # guide() returns {site: value}, differentiable
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    draws = [opt.sampled_draw(guide.median) for _ in range(30)]   # then bma_predict(model, draws, x_test)
+
+References:
+    [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
+        arXiv:2210.01620
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..ops.bayesian_sam import (
+    bsam_curvature,
+    bsam_noisy_params,
+    bsam_perturbed_means,
+    bsam_posterior_std,
+    bsam_update_,
+)
+from ._common import Closure, as_closures, check_real, gradients_at, mean_loss
+
+
+class BayesianSAM(Optimizer):
+    r"""Bayesian SAM [1]: keeps :math:`q(\theta)=\mathcal N(m, 1/(Ns))` and draws posterior samples from it.
+
+    :param params: the parameters :math:`m` (an iterable of tensors or of parameter-group dicts; every argument
+        below can be set per group).
+    :param float lr: the learning rate :math:`\alpha>0`; default 0.5 (the authors' ResNet-18 CIFAR setting and
+        their two-moons demo, github.com/team-approx-bayes/bayesian-sam). The step is divided by :math:`s`
+        (:math:`\approx\gamma=0.1` early on), so :math:`\alpha` is large compared with SGD's; small networks
+        trained without a warm-up may need less.
+    :param num_data: :math:`N>0`, the (effective) number of training examples; the authors multiply it by a
+        data-augmentation factor (``dafactor`` 4 on CIFAR). Required.
+    :param float rho: the radius :math:`\rho\ge0` of the unnormalised perturbation :math:`\rho g/s`; default 0.05
+        (the authors' two-moons demo; 0.01 for ResNet-18 on CIFAR, 5e-5 on TinyImageNet). Not comparable with
+        SAM's :math:`\rho`, which divides by :math:`\|g\|`.
+    :param float prior_precision: the precision of the Gaussian prior :math:`\mathcal N(0,\text{prior\_precision}
+        ^{-1}I)`, :math:`\ge0`; :math:`\delta=\text{prior\_precision}/N` acts as weight decay. Default 25 (the
+        authors' ``--priorprec`` default; 40 for ResNet-18 on CIFAR).
+    :param float damping: :math:`\gamma\ge0`, added to :math:`s` for stability; default 0.1 (authors).
+    :param float beta1: the momentum :math:`\beta_1\in[0,1)`; default 0.9 (authors).
+    :param float beta2: the decay of :math:`s`, :math:`\beta_2\in[0,1)`; default 0.999 (authors).
+    :param float init_scale: :math:`s_0>0`, the initial value of every :math:`s`; default 1 (authors'
+        ``--custominit``).
+    :param generator: the random generator of the noise :math:`e`, on the parameters' device; default the global
+        one. It is not part of :meth:`state_dict`.
+    :raises ValueError: for a hyperparameter outside its range (negative ``rho``, ``prior_precision`` or
+        ``damping``; a non-positive ``num_data``, ``lr`` or ``init_scale``; ``beta`` outside ``[0, 1)``).
+
+    ``step(closure)`` takes a closure that evaluates the **mean** loss of a minibatch at the current parameters,
+    calls ``backward()`` and returns the loss (the optimizer sets ``.grad`` to ``None`` before every call and calls
+    the closure twice); or a sequence of :math:`M` closures, one per sub-batch (m-sharpness: every sub-batch gets
+    its own noise and perturbation, and :math:`g_\epsilon`, :math:`\sqrt s|g|` are averaged; the authors use
+    :math:`M=8`). It returns the mean of the losses at the noisy samples (a detached tensor, no host sync).
+
+    State per parameter ``p`` (``self.state[p]``): ``"step"`` (number of steps), ``"momentum_buffer"``
+    (:math:`g_m`) and ``"s"`` (:math:`s`).
+
+    .. note:: The closure must return the *mean* loss over its (sub-)batch: :math:`N` multiplies it implicitly
+        through the noise scale :math:`1/\sqrt{Ns}` and :math:`\delta`. A Pyro ``Trace_ELBO`` loss is the *sum*
+        over the data set plus the prior; divide by :math:`N` and drop the prior (see the module docstring).
+
+    References:
+        [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
+            arXiv:2210.01620
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 0.5,
+        *,
+        num_data: float,
+        rho: float = 0.05,
+        prior_precision: float = 25.0,
+        damping: float = 0.1,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        init_scale: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            num_data=num_data,
+            rho=rho,
+            prior_precision=prior_precision,
+            damping=damping,
+            beta1=beta1,
+            beta2=beta2,
+            init_scale=init_scale,
+        )
+        self._check_group(defaults)
+        self.generator = generator
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _check_group(group: Mapping[str, Any]) -> None:
+        owner = "BayesianSAM"
+        check_real(owner, "lr", group["lr"], low=0, low_inclusive=False)
+        check_real(owner, "num_data", group["num_data"], low=0, low_inclusive=False)
+        check_real(owner, "rho", group["rho"], low=0)
+        check_real(owner, "prior_precision", group["prior_precision"], low=0)
+        check_real(owner, "damping", group["damping"], low=0)
+        check_real(owner, "beta1", group["beta1"], low=0, high=1)
+        check_real(owner, "beta2", group["beta2"], low=0, high=1)
+        check_real(owner, "init_scale", group["init_scale"], low=0, low_inclusive=False)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # state
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def _group_state(self, group: Mapping[str, Any]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """The group's trainable parameters, momenta and s (created on first use)."""
+        params, momenta, s = [], [], []
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["s"] = torch.full_like(p, group["init_scale"], memory_format=torch.preserve_format)
+            params.append(p)
+            momenta.append(state["momentum_buffer"])
+            s.append(state["s"])
+        return params, momenta, s
+
+    def _noise(self, params: Sequence[Tensor]) -> list[Tensor]:
+        return [torch.randn(p.shape, generator=self.generator, dtype=p.dtype, device=p.device) for p in params]
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # the step
+    # -----------------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Closure | Sequence[Closure] | None = None) -> Tensor | None:  # type: ignore[override]
+        """One bSAM step; see the class docstring for the closure protocol."""
+        closures = as_closures("BayesianSAM", closure)
+        groups = [(group, *self._group_state(group)) for group in self.param_groups]
+        params = [p for _, ps, _, _ in groups for p in ps]
+        means = [p.detach().clone() for p in params]
+        group_means, start = [], 0
+        for _, ps, _, _ in groups:
+            group_means.append(means[start : start + len(ps)])
+            start += len(ps)
+        num_closures = len(closures)
+        losses: list[Tensor | None] = []
+        grad_sums: list[Tensor] | None = None
+        curv_sums: list[Tensor] | None = None
+        for c in closures:
+            # noisy sample theta = m + e / sqrt(N s), gradient there
+            noisy = []
+            for (group, ps, _, s), m in zip(groups, group_means, strict=True):
+                noisy += bsam_noisy_params(m, s, group["num_data"], self._noise(ps))
+            torch._foreach_copy_(params, noisy)
+            loss, grads = gradients_at(c, params)
+            losses.append(loss)
+            # perturbed mean m + rho g / s, gradient there; curvature sqrt(s)|g|
+            perturbed, curvature, pos = [], [], 0
+            for (group, ps, _, s), m in zip(groups, group_means, strict=True):
+                g = grads[pos : pos + len(ps)]
+                pos += len(ps)
+                perturbed += bsam_perturbed_means(m, g, s, group["rho"])
+                curvature += bsam_curvature(g, s)
+            torch._foreach_copy_(params, perturbed)
+            _, grads_perturbed = gradients_at(c, params)
+            if grad_sums is None:
+                grad_sums = [g.clone() for g in grads_perturbed] if num_closures > 1 else grads_perturbed
+                curv_sums = curvature
+            else:
+                torch._foreach_add_(grad_sums, grads_perturbed)
+                torch._foreach_add_(curv_sums, curvature)
+        torch._foreach_copy_(params, means)
+        if num_closures > 1:
+            torch._foreach_div_(grad_sums, float(num_closures))
+            torch._foreach_div_(curv_sums, float(num_closures))
+        pos = 0
+        for group, ps, momenta, s in groups:
+            n = len(ps)
+            for p, g in zip(ps, grad_sums[pos : pos + n], strict=True):
+                p.grad = g
+            bsam_update_(
+                ps,
+                momenta,
+                s,
+                grad_sums[pos : pos + n],
+                curv_sums[pos : pos + n],
+                lr=group["lr"],
+                beta1=group["beta1"],
+                beta2=group["beta2"],
+                delta=group["prior_precision"] / group["num_data"],
+                damping=group["damping"],
+            )
+            torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)
+            pos += n
+        return mean_loss(losses)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # the posterior
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def posterior_std(self) -> list[Tensor]:
+        r"""The standard deviations :math:`1/\sqrt{Ns}` of :math:`q`, one tensor per trainable parameter."""
+        out = []
+        for group in self.param_groups:
+            _, _, s = self._group_state(group)
+            out += bsam_posterior_std(s, group["num_data"])
+        return out
+
+    @torch.no_grad()
+    def sample_params(self, generator: torch.Generator | None = None) -> list[Tensor]:
+        r"""A posterior sample :math:`m + z/\sqrt{Ns}`, :math:`z\sim\mathcal N(0,I)`, one tensor per trainable
+        parameter (the parameters are not changed).
+
+        :param generator: random generator for :math:`z` (default the optimizer's).
+        """
+        generator = self.generator if generator is None else generator
+        out = []
+        for group in self.param_groups:
+            ps, _, s = self._group_state(group)
+            noise = [torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device) for p in ps]
+            out += bsam_noisy_params([p.detach() for p in ps], s, group["num_data"], noise)
+        return out
+
+    @contextmanager
+    def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[list[Tensor]]:
+        """Context manager: load a posterior sample (:meth:`sample_params`) into the parameters, restore the mean on
+        exit. Yields the sampled tensors."""
+        params = [p for group in self.param_groups for p in self._group_state(group)[0]]
+        with torch.no_grad():
+            means = [p.detach().clone() for p in params]
+            sample = self.sample_params(generator)
+            torch._foreach_copy_(params, sample)
+        try:
+            yield sample
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, means)
+
+    def sampled_draw(self, read: Callable[[], Mapping[str, Tensor]], generator: torch.Generator | None = None) -> dict[
+        str, Tensor
+    ]:
+        """``read()`` evaluated with a posterior sample loaded (e.g. ``read=guide.median`` of the ``AutoDelta`` whose
+        parameters this optimizer trains, giving one ``{site: value}`` draw for :func:`pyro_flat.infer.bma_predict`);
+        the values are detached copies."""
+        with self.sampled_params(generator), torch.no_grad():
+            return {k: v.detach().clone() for k, v in read().items()}
+
+
+__all__ = ["BayesianSAM"]

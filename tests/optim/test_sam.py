@@ -1,0 +1,150 @@
+"""pyro_flat.optim.SAM: the documented step on closed forms, m-sharpness, rho = 0, state round trips, Pyro use."""
+
+import copy
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoDelta
+
+from pyro_flat.optim import SAM
+
+
+def _quadratic(seed=0):
+    """L = ½ θᵀAθ with θ split into two tensors (so the norm must be global)."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(5, 5, generator=g))
+    a = q @ torch.diag(torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0])) @ q.T
+    theta = torch.randn(5, generator=g)
+    params = [theta[:2].clone().requires_grad_(), theta[2:].clone().requires_grad_()]
+    return a, theta, params
+
+
+def _closure(a, params):
+    def closure():
+        t = torch.cat(params)
+        loss = 0.5 * t @ a @ t
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def test_one_step_is_the_documented_formula():
+    # TESTING.md §2 item 4: theta' = theta - lr A (theta + rho A theta / ||A theta||)
+    a, theta, params = _quadratic()
+    lr, rho = 0.1, 0.3
+    opt = SAM(params, torch.optim.SGD, rho=rho, lr=lr)
+    loss = opt.step(_closure(a, params))
+    g = a @ theta
+    expected = theta - lr * a @ (theta + rho * g / g.norm())
+    torch.testing.assert_close(torch.cat(params).detach(), expected)
+    torch.testing.assert_close(loss, 0.5 * theta @ a @ theta)  # the loss at the unperturbed point
+
+
+def test_adaptive_step_is_the_asam_formula():
+    a, theta, params = _quadratic(1)
+    lr, rho = 0.05, 0.2
+    SAM(params, torch.optim.SGD, rho=rho, adaptive=True, lr=lr).step(_closure(a, params))
+    g = a @ theta
+    eps = rho * theta.abs() ** 2 * g / (theta.abs() * g).norm()
+    torch.testing.assert_close(torch.cat(params).detach(), theta - lr * a @ (theta + eps))
+
+
+def test_rho_zero_is_the_base_optimizer():
+    a, _, params = _quadratic(2)
+    base_params = [p.detach().clone().requires_grad_() for p in params]
+    sam = SAM(params, torch.optim.Adam, rho=0.0, lr=0.01, betas=(0.8, 0.99))
+    adam = torch.optim.Adam(base_params, lr=0.01, betas=(0.8, 0.99))
+    for _ in range(5):
+        sam.step(_closure(a, params))
+        adam.zero_grad()
+        _closure(a, base_params)()
+        adam.step()
+    for p, q in zip(params, base_params, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_m_sharpness_averages_per_sub_batch_sam_gradients():
+    # two sub-batch losses L_j = ½ θᵀA_jθ, each with its own perturbation; g = mean_j A_j(θ + ρ A_jθ/||A_jθ||)
+    a1, theta, params = _quadratic(3)
+    a2 = a1 @ a1 / 4 + torch.eye(5)
+    lr, rho = 0.1, 0.25
+    SAM(params, torch.optim.SGD, rho=rho, lr=lr).step([_closure(a1, params), _closure(a2, params)])
+    grad = sum(aj @ (theta + rho * aj @ theta / (aj @ theta).norm()) for aj in (a1, a2)) / 2
+    torch.testing.assert_close(torch.cat(params).detach(), theta - lr * grad)
+
+
+def test_resumed_training_equals_uninterrupted():
+    a, _, params = _quadratic(4)
+    twin = [p.detach().clone().requires_grad_() for p in params]
+    opt = SAM(params, torch.optim.Adam, rho=0.1, lr=0.05)
+    for _ in range(6):
+        opt.step(_closure(a, params))
+    other = SAM(twin, torch.optim.Adam, rho=0.1, lr=0.05)
+    for _ in range(3):
+        other.step(_closure(a, twin))
+    state = copy.deepcopy(other.state_dict())
+    resumed_params = [p.detach().clone().requires_grad_() for p in twin]
+    resumed = SAM(resumed_params, torch.optim.Adam, rho=0.1, lr=0.05)
+    resumed.load_state_dict(state)
+    assert resumed.base_optimizer.state[resumed_params[0]]["step"] == 3
+    for _ in range(3):
+        resumed.step(_closure(a, resumed_params))
+    for p, q in zip(params, resumed_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_pyro_autodelta_closure_matches_manual_gradient():
+    # MAP of a Bayesian linear regression through Pyro: the closure is Trace_ELBO / N on one fixed minibatch
+    n, d = 20, 3
+    x, w_true = torch.randn(n, d), torch.randn(d)
+    y = x @ w_true + 0.1 * torch.randn(n)
+
+    def model(x, y=None, num_data=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(d), 1.0).to_event(1))
+        with pyro.plate("data", num_data, subsample=torch.arange(len(x))):
+            pyro.sample("obs", dist.Normal(x @ w, 0.5), obs=y)
+
+    guide = AutoDelta(model)
+    guide(x[:1], y[:1], num_data=n)
+    (w,) = list(guide.parameters())
+    w0 = w.detach().clone()
+    lr, rho = 0.05, 0.1
+    opt = SAM(guide.parameters(), torch.optim.SGD, rho=rho, lr=lr)
+    idx = torch.arange(8)
+    elbo = Trace_ELBO()
+
+    def closure():
+        loss = elbo.differentiable_loss(model, guide, x[idx], y[idx], num_data=n) / n
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+
+    def energy(v):  # -log p(y_B | w) N/B - log p(w), per datum
+        ll = dist.Normal(x[idx] @ v, 0.5).log_prob(y[idx]).sum() * n / len(idx)
+        return -(ll + dist.Normal(torch.zeros(d), 1.0).log_prob(v).sum()) / n
+
+    g = torch.func.grad(energy)(w0)
+    expected = w0 - lr * torch.func.grad(energy)(w0 + rho * g / g.norm())
+    torch.testing.assert_close(w.detach(), expected)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"rho": -0.1}, "rho"), ({"rho": float("nan")}, "rho"),
+                                           ({"adaptive": 1}, "adaptive")])
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SAM([torch.zeros(2, requires_grad=True)], torch.optim.SGD, lr=0.1, **kwargs)
+
+
+def test_bad_closure_and_base():
+    opt = SAM([torch.zeros(2, requires_grad=True)], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step()
+    with pytest.raises(ValueError, match="closure"):
+        opt.step([])
+    with pytest.raises(ValueError, match="base_optimizer"):
+        SAM([torch.zeros(2, requires_grad=True)], "sgd")
