@@ -6,8 +6,9 @@ flatness metrics), :mod:`pyro_flat.ops` (pure tensor maths) and :mod:`pyro_flat.
 ``python -m pyro_flat bench``).
 """
 
-from . import data, infer, metrics, nn, ops
+from . import data, infer, metrics, nn, ops, transforms
+from .transforms import sharpness_aware
 
 __version__ = "0.1.0"
 
-__all__ = ["data", "infer", "metrics", "nn", "ops", "__version__"]
+__all__ = ["data", "infer", "metrics", "nn", "ops", "sharpness_aware", "transforms", "__version__"]

@@ -1,0 +1,6 @@
+"""Model transforms: functions that take a Pyro model and return another Pyro model whose density is a flat-seeking
+modification of the original, so that any Pyro inference (SVI, MCMC, MAP) on it targets the flat posterior."""
+
+from .sharpness_aware import LOG_LIKELIHOOD_SITE, SharpnessAwareModel, sharpness_aware
+
+__all__ = ["LOG_LIKELIHOOD_SITE", "SharpnessAwareModel", "sharpness_aware"]
