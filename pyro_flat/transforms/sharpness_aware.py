@@ -61,7 +61,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pyro
 import torch
-from pyro import poutine
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.indep_messenger import CondIndepStackFrame
 from pyro.poutine.messenger import Messenger
@@ -146,23 +145,37 @@ class _RecordingPass(Messenger):
                 self.deltas[name] = delta
                 msg["value"] = value + delta
         elif is_likelihood_site(msg):
-            self.likelihood[name] = msg.copy()
+            self.likelihood[name] = msg
 
 
-class _ReplayRandomState(Messenger):
-    """Sets the random state recorded by :class:`_RecordingPass` after each subsample site, so that a replayed pass
-    (whose subsample indices are conditioned, hence drawn without randomness) sees the same random numbers."""
+class _ReplayedPass(Messenger):
+    """Runs the model at given latent values with the subsample indices and the random numbers of a
+    :class:`_RecordingPass`, hidden from the enclosing handlers (every message stops here, as under
+    ``poutine.block()``), and keeps its likelihood sites. After each subsample site (whose indices are set, hence
+    drawn without randomness) the random state recorded there is restored, so dropout masks are the same."""
 
-    def __init__(self, random_state: _RandomState, states: Sequence) -> None:
+    def __init__(self, values: Mapping[str, Tensor], record: _RecordingPass) -> None:
         super().__init__()
-        self.random_state = random_state
-        self.states = list(states)
-        self._next = 0
+        self.values = {**record.subsamples, **values}
+        self.record = record
+        self.likelihood: dict[str, dict] = {}
+        self._next_state = 0
 
-    def _pyro_post_sample(self, msg: dict) -> None:
-        if is_subsample_site(msg) and self._next < len(self.states):
-            self.random_state.set(self.states[self._next])
-            self._next += 1
+    def _process_message(self, msg: dict) -> None:
+        msg["stop"] = True
+        if msg["type"] == "sample" and msg["name"] in self.values:
+            msg["value"] = self.values[msg["name"]]
+            msg["is_observed"] = True
+
+    def _postprocess_message(self, msg: dict) -> None:
+        if msg["type"] != "sample":
+            return
+        states = self.record.states_after_subsample
+        if is_subsample_site(msg) and self._next_state < len(states):
+            self.record.random_state.set(states[self._next_state])
+            self._next_state += 1
+        elif msg["name"] in self.record.likelihood:
+            self.likelihood[msg["name"]] = msg
 
 
 @contextlib.contextmanager
@@ -275,11 +288,14 @@ class SharpnessAwareModel(nn.Module):
         self.rho = check_options(rho, adaptive, freeze_batchnorm)
         self.adaptive = adaptive
         self.freeze_batchnorm = freeze_batchnorm
+        self._batchnorm: list[nn.modules.batchnorm._BatchNorm] | None = None
 
     def extra_repr(self) -> str:
         return f"rho={self.rho}, adaptive={self.adaptive}, freeze_batchnorm={self.freeze_batchnorm}"
 
     def _cuda_devices(self, args: tuple, kwargs: dict) -> list[torch.device]:
+        if not torch.cuda.is_available():
+            return []
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if isinstance(self.model, nn.Module):
             tensors += list(self.model.parameters()) + list(self.model.buffers())
@@ -288,7 +304,9 @@ class SharpnessAwareModel(nn.Module):
     def _batchnorm_layers(self) -> list[nn.modules.batchnorm._BatchNorm]:
         if not (self.freeze_batchnorm and isinstance(self.model, nn.Module)):
             return []
-        return [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if self._batchnorm is None:  # looked up once: the layers of a network do not change between steps
+            self._batchnorm = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        return self._batchnorm
 
     def _replayed_log_likelihood(
         self,
@@ -302,20 +320,16 @@ class SharpnessAwareModel(nn.Module):
         """:math:`\\ell_B` at ``values``, with the recorded subsample indices and random numbers, blocked from the
         enclosing handlers, BatchNorm statistics frozen."""
         record.random_state.set(start_state)
-        conditioned = poutine.condition(self.model, data={**record.subsamples, **values})
-        with (
-            poutine.block(),
-            _ReplayRandomState(record.random_state, record.states_after_subsample),
-            _frozen_batchnorm(self._batchnorm_layers()),
-        ):
-            trace = poutine.trace(conditioned).get_trace(*args, **kwargs)
-        missing = sorted(set(record.likelihood) - set(trace.nodes))
+        replayed = _ReplayedPass(values, record)
+        with replayed, _frozen_batchnorm(self._batchnorm_layers()):
+            self.model(*args, **kwargs)
+        missing = sorted(set(record.likelihood) - set(replayed.likelihood))
         if missing:
             raise ValueError(
                 f"sharpness_aware: the observed sites {missing} of the recording pass are absent from the perturbed "
                 "pass; the model's structure must not depend on the latent values"
             )
-        return self._log_likelihood(trace.nodes, record.likelihood, frames)
+        return self._log_likelihood(replayed.likelihood, record.likelihood, frames)
 
     @staticmethod
     def _log_likelihood(
