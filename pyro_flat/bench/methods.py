@@ -1,3 +1,6 @@
 """Imports every module that registers methods with the harness (add a line here for a new method module)."""
 
-from . import baselines  # noqa: F401
+from . import (
+    baselines,  # noqa: F401
+    flat_seeking,  # noqa: F401
+)
