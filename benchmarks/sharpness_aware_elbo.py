@@ -10,9 +10,10 @@ every repeat (the machine is shared and noisy), median over repeats:
   ``loc + softplus(s) * eps``, sampled log prior and log guide, N/B-scaled cross-entropy, one backward, Adam);
 * ``torch BBB-SAM``: the same plus the SAM step on the sampled weights (gradient of the NLL in the weights, global
   norm, a second forward at the perturbed weights, the likelihood there, prior and guide at the sample) — the
-  arithmetic of ``SharpnessAwareELBO``;
-* ``JitTrace_ELBO`` and ``JitSharpnessAwareELBO`` with ``AutoDiagonalNormal`` (the compiled fast path, which needs a
-  model without dropout).
+  arithmetic of ``SharpnessAwareELBO``.
+
+Two configurations: Pyro's defaults (validation on, ``AutoNormal``) and a fast one (validation off for every variant,
+one flat latent vector with ``AutoDiagonalNormal``).
 
 Run: ``python benchmarks/sharpness_aware_elbo.py [--repeats 15] [--steps 20]``; writes
 ``benchmarks/results/sharpness_aware_elbo.md``.

@@ -98,26 +98,28 @@ def test_same_minibatch_when_the_indices_come_from_the_guide():
     torch.testing.assert_close(factor_value(model_trace), expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("mask_first", [False, True], ids=["mask_after_subsample", "mask_before_plate"])
-def test_same_dropout_mask(mask_first):
+def test_same_dropout_mask(mask_first, device):
     # mask after the subsample draw: the perturbed pass replays the indices without drawing them, so the random
     # stream must be re-aligned after the subsample site for the mask to be the same; mask before the plate: the
     # random stream must be restored to where the model run started
     torch.manual_seed(0)
-    data = torch.randn(40, dtype=torch.float64)
+    data = torch.randn(40, dtype=torch.float64).to(device)
     n, b, rho = len(data), 10, 0.5
 
     def dropout_mask():
-        return pyro.deterministic("mask", torch.nn.functional.dropout(torch.ones(b), p=0.5, training=True))
+        mask = torch.nn.functional.dropout(torch.ones(b, device=device), p=0.5, training=True)
+        return pyro.deterministic("mask", mask)
 
     def model(x):
         w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([b]).to_event(1))
         mask = dropout_mask() if mask_first else None
-        with pyro.plate("data", n, subsample_size=b) as idx:
+        with pyro.plate("data", n, subsample_size=b, device=device) as idx:
             mask = dropout_mask() if mask is None else mask
             pyro.sample("x", dist.Normal(w * mask, 1.0), obs=x[idx])
 
-    w = torch.linspace(-1.0, 1.0, b, dtype=torch.float64)
+    w = torch.linspace(-1.0, 1.0, b, dtype=torch.float64, device=device)
     pyro.set_rng_seed(0)
     trace = poutine.trace(poutine.condition(sharpness_aware(model, rho), {"w": w})).get_trace(data)
     idx, mask = trace.nodes["data"]["value"], trace.nodes["mask"]["value"]
