@@ -8,8 +8,10 @@ SAM), :mod:`pyro_flat.metrics` (uncertainty and flatness metrics), :mod:`pyro_fl
 """
 
 from . import data, infer, metrics, nn, ops, optim, transforms
-from .transforms import local_entropy
+from .transforms import local_entropy, sharpness_aware
 
 __version__ = "0.1.0"
 
-__all__ = ["data", "infer", "metrics", "nn", "ops", "optim", "transforms", "local_entropy", "__version__"]
+__all__ = [
+    "data", "infer", "metrics", "nn", "ops", "optim", "transforms", "local_entropy", "sharpness_aware", "__version__"
+]

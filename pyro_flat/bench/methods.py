@@ -2,6 +2,7 @@
 
 from . import (
     baselines,  # noqa: F401
+    flat_seeking,  # noqa: F401
     kl_ball,  # noqa: F401
     sgmcmc,  # noqa: F401
     trajectory,  # noqa: F401

@@ -3,7 +3,7 @@
 from . import autoguide, averaging, mcmc
 from .autoguide import AutoLowRankPlusDiagonalNormal, AutoSWAG, SWAGCollector
 from .averaging import HWA
-from .elbo import KLBallELBO
+from .elbo import KLBallELBO, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
 from .util import is_latent_site, is_subsample_site, latent_sites
@@ -22,6 +22,8 @@ __all__ = [
     "EntropySGLD",
     "AutoLowRankPlusDiagonalNormal",
     "KLBallELBO",
+    "SharpnessAwareELBO",
+    "SharpnessAwareMeanFieldELBO",
     "bma_predict",
     "guide_draws",
     "is_latent_site",

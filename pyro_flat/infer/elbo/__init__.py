@@ -1,5 +1,6 @@
-"""Flat-seeking objectives: subclasses of Pyro's ELBOs usable by ``SVI.step`` unchanged."""
+"""Flat-seeking variational objectives: subclasses of Pyro's ELBOs usable by ``pyro.infer.SVI`` unchanged."""
 
 from .kl_ball import KLBallELBO
+from .sharpness_aware import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 
-__all__ = ["KLBallELBO"]
+__all__ = ["KLBallELBO", "SharpnessAwareELBO", "SharpnessAwareMeanFieldELBO"]

@@ -1,0 +1,163 @@
+r"""The sharpness-aware ELBO (SA-ELBO) of Flat Seeking BNNs [1]: a :class:`~pyro.infer.Trace_ELBO` whose likelihood
+term is evaluated at the SAM-perturbed sample.
+
+For a guide :math:`q_\phi` reparameterised as :math:`\theta=f_\phi(\varepsilon)`, the SA-ELBO is
+
+.. math::
+
+    \mathrm{SA\text{-}ELBO}(\phi) = \mathbb E_{\varepsilon}\Big[\ell_B\big(\theta + \hat\epsilon(\theta)\big)
+        + \log p(\theta) - \log q_\phi(\theta)\Big]_{\theta = f_\phi(\varepsilon)},
+    \qquad \hat\epsilon(\theta) = \rho\,\frac{\hat g}{\|\hat g\|_2},\quad
+    \hat g = \operatorname{sg}\big[-\nabla_\theta\,\ell_B(\theta)\big],
+
+a one-SAM-step estimate of :math:`-N\,\mathbb E_{q_\phi}[\max_{\|\theta'-\theta\|_2\le\rho}L_S(\theta')]
+- \mathrm{KL}(q_\phi\,\|\,p)`, the variational objective of the sharpness-aware posterior
+:math:`q_{\mathrm{SA}}(\theta\mid S)\propto\exp(-N\max_{\theta'\in B_\rho(\theta)}L_S(\theta'))\,p(\theta)` [1].
+Here :math:`\ell_B` is the minibatch log-likelihood of all observed sites (plate-scaled by :math:`N/B`),
+:math:`\|\cdot\|_2` the global L2 norm over all latent sites and :math:`\operatorname{sg}` a stop-gradient: per
+particle, the sampled weights are moved by one SAM ascent step, the likelihood is evaluated there with the same
+minibatch and the same random numbers, the prior and the guide at the unperturbed sample, and gradients reach
+:math:`\phi` through :math:`\theta` only, so that :math:`\nabla_\mu=-\nabla_\theta\ell_B(\theta')-\nabla_\theta\log
+p(\theta)+\dots` and :math:`\nabla_\sigma=-\nabla_\theta\ell_B(\theta')\odot\varepsilon+\dots` [1, ALGORITHMS §1a].
+
+Both ELBOs are :class:`~pyro.infer.Trace_ELBO` (resp. :class:`~pyro.infer.TraceMeanField_ELBO`) run on
+:func:`pyro_flat.transforms.sharpness_aware` of the model: the whole two-pass logic sits in the transformed model,
+which every particle trace (``loss``, ``differentiable_loss``, ``loss_and_grads``, vectorised or not) goes through,
+so the three entry points are one code path and agree.
+
+References:
+    [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+        Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
+        Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
+from pyro.poutine import Trace
+
+from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
+from ..util import is_latent_site
+
+
+class _SharpnessAware:
+    """Shared by the two SA-ELBOs: runs every particle trace on the sharpness-aware transform of the model."""
+
+    def __init__(
+        self, rho: float = 0.05, *, adaptive: bool = False, freeze_batchnorm: bool = True, **kwargs: object
+    ) -> None:
+        self.rho = check_options(rho, adaptive, freeze_batchnorm)
+        self.adaptive, self.freeze_batchnorm = adaptive, freeze_batchnorm
+        self._transformed: tuple[Callable, SharpnessAwareModel] | None = None
+        super().__init__(**kwargs)
+
+    def _sharpness_aware(self, model: Callable) -> SharpnessAwareModel:
+        if self._transformed is None or self._transformed[0] is not model:
+            sa_model = SharpnessAwareModel(
+                model, self.rho, adaptive=self.adaptive, freeze_batchnorm=self.freeze_batchnorm
+            )
+            self._transformed = (model, sa_model)
+        return self._transformed[1]
+
+    def _get_traces(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> Iterator[tuple[Trace, Trace]]:
+        # the transform sits inside Pyro's particle plate (vectorize_particles), so the norm is per particle
+        return super()._get_traces(self._sharpness_aware(model), guide, args, kwargs)
+
+    def _get_trace(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple[Trace, Trace]:
+        model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
+        for name, site in guide_trace.nodes.items():
+            if is_latent_site(site) and not site["fn"].has_rsample:
+                raise ValueError(
+                    f"{type(self).__name__}: guide site {name!r} ({type(site['fn']).__name__}) is not "
+                    "reparameterisable; the SAM step moves the sampled latent values, so every latent site of the "
+                    "guide must have rsample"
+                )
+        return model_trace, guide_trace
+
+
+class SharpnessAwareELBO(_SharpnessAware, Trace_ELBO):
+    r"""The sharpness-aware ELBO (SA-ELBO) of Flat Seeking BNNs [1], a :class:`~pyro.infer.Trace_ELBO` for
+    :class:`~pyro.infer.SVI` with any reparameterised guide and any ``PyroOptim``.
+
+    Each particle draws :math:`\theta=f_\phi(\varepsilon)` from the guide, takes one SAM ascent step
+    :math:`\theta'=\theta+\rho\,\hat g/\|\hat g\|_2` (:math:`\hat g` the gradient of the minibatch negative
+    log-likelihood at :math:`\theta`, global norm over all latent sites, treated as a constant), and returns
+
+    .. math:: -\big[\ell_B(\theta') + \log p(\theta) - \log q_\phi(\theta)\big]
+
+    (see the module docstring for the symbols): the likelihood at :math:`\theta'` with the same minibatch (the model's
+    ``pyro.plate`` subsample indices are replayed) and the same random numbers (dropout masks), the prior and the
+    guide at :math:`\theta`. It is exactly ``Trace_ELBO`` on :func:`~pyro_flat.transforms.sharpness_aware` of the
+    model; ``loss``, ``differentiable_loss`` (usable through Pyro's ``ELBOModule`` by native torch optimisers) and
+    ``loss_and_grads`` agree; ``num_particles > 1`` and ``vectorize_particles=True`` (one norm per particle) work.
+    With :math:`\rho=0` the loss and gradients are those of ``Trace_ELBO`` under the same seed. With ``AutoDelta`` it
+    is SAM with the prior as weight decay; with ``AutoNormal`` it is F-BBB / F-VI.
+
+    :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05, the F-BNN code's value for CIFAR-10 and ImageNet
+        fine-tuning [1] (0.1 for CIFAR-100).
+    :param bool adaptive: ASAM [3] scaling :math:`\hat\epsilon=\rho\,T^2_\theta\hat g/\|T_\theta\hat g\|_2`,
+        :math:`T_\theta=|\theta|`; default ``False``.
+    :param bool freeze_batchnorm: BatchNorm running statistics are not updated by the perturbed pass (the F-BNN
+        code's ``disable_running_stats``); default ``True``.
+    :param kwargs: :class:`~pyro.infer.Trace_ELBO` options (``num_particles``, ``vectorize_particles``,
+        ``max_plate_nesting``, ...).
+    :raises ValueError: for a negative, NaN or infinite ``rho``; at the first step, for a model without latent sites,
+        a discrete latent site, or a guide site without ``rsample``.
+
+    .. note:: A step costs two forward and two backward passes of the network (the SAM floor, 2x ``Trace_ELBO``'s
+        network work) plus the tracing of two model runs. The minibatch is the model's own
+        (``pyro.plate(..., subsample_size=B)`` or ``num_data``); the ascent direction uses the same minibatch.
+
+    .. warning:: The SA-ELBO is not a bound on the log evidence of the original model; it is the (one-step SAM)
+        ELBO of the sharpness-aware posterior, whose likelihood term is at the worst case in a ρ-ball.
+
+    Example::
+
+        >>> guide = AutoNormal(model)                                               # doctest: +SKIP
+        >>> svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), SharpnessAwareELBO(rho=0.05))  # doctest: +SKIP
+        >>> svi.step(x_train, y_train, subsample_size=128)                          # doctest: +SKIP
+
+    References:
+        [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+        [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+            Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+        [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
+            Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    """
+
+
+class SharpnessAwareMeanFieldELBO(_SharpnessAware, TraceMeanField_ELBO):
+    r"""The SA-ELBO with the analytic KL divergence, like :class:`~pyro.infer.TraceMeanField_ELBO`:
+
+    .. math:: -\Big[\ell_B(\theta') - \sum_z \mathrm{KL}\big(q_\phi(z)\,\|\,p(z)\big)\Big],
+        \qquad \theta'=\theta+\rho\,\hat g/\|\hat g\|_2,\ \theta\sim q_\phi,
+
+    for a mean-field guide (e.g. ``AutoNormal``) and a model whose priors do not depend on other latent sites (every
+    :class:`~pyro_flat.nn.BayesianMLP`); sites without a registered KL fall back to the sampled
+    :math:`\log p - \log q`. Only the likelihood term is random, so its gradient has less variance than
+    :class:`SharpnessAwareELBO`'s; the expected loss and gradients are the same. A separate class (not an option of
+    :class:`SharpnessAwareELBO`) because Pyro itself makes the analytic KL a different ELBO class with its own
+    ``loss`` and particle loss, which this one inherits unchanged.
+
+    :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05 (see :class:`SharpnessAwareELBO`).
+    :param bool adaptive: ASAM scaling; default ``False``.
+    :param bool freeze_batchnorm: BatchNorm statistics not updated by the perturbed pass; default ``True``.
+    :param kwargs: :class:`~pyro.infer.TraceMeanField_ELBO` options.
+    :raises ValueError: as :class:`SharpnessAwareELBO`.
+
+    .. warning:: As for ``TraceMeanField_ELBO``, the result is wrong if the guide is not mean-field with respect to
+        the model's dependency structure.
+
+    References:
+        [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    """
+
+
+__all__ = ["SharpnessAwareELBO", "SharpnessAwareMeanFieldELBO"]

@@ -1,0 +1,496 @@
+r"""The sharpness-aware posterior of Flat Seeking BNNs [1] as a Pyro model transform.
+
+For a Pyro model with latent values :math:`\theta` (every latent sample site together), prior :math:`p(\theta)` and
+minibatch log-likelihood :math:`\ell_B(\theta)=\sum_{o}\log p(o\mid\theta)` (every observed site :math:`o` of one
+model run, with its plate scale :math:`N/B`, so that :math:`\ell_B` estimates the full-data log-likelihood),
+:func:`sharpness_aware` returns the Pyro model with the unnormalised density
+
+.. math::
+
+    \tilde p_{\mathrm{SA}}(\theta, \mathcal D_B) = p(\theta)\; \exp\!\big(\ell_B(\theta + \hat\epsilon(\theta))\big),
+    \qquad
+    \hat\epsilon(\theta) = \rho\, \frac{\hat g}{\|\hat g\|_2},\quad
+    \hat g = \operatorname{sg}\!\big[\nabla_\theta\, (-\ell_B(\theta))\big],
+
+where :math:`\rho` is the SAM radius, :math:`\|\cdot\|_2` the *global* L2 norm over all latent sites together (as in
+SAM [2], not one norm per site), :math:`\mathcal D_B` the minibatch drawn by the model's own
+``pyro.plate(..., subsample_size=B)`` and :math:`\operatorname{sg}` a stop-gradient: the ascent direction is a
+constant, gradients reach :math:`\theta` through :math:`\theta+\hat\epsilon` only. :math:`\theta+\hat\epsilon` is the
+first-order solution of :math:`\max_{\|\theta'-\theta\|_2\le\rho}(-\ell_B(\theta'))`, so this is the
+sharpness-aware posterior of [1],
+
+.. math::
+
+    q_{\mathrm{SA}}(\theta\mid S)\propto\exp\big(-\lambda\max_{\theta'\in B_\rho(\theta)}L_S(\theta')\big)
+    \,p(\theta),
+
+with :math:`\lambda=N`, one SAM step for the inner maximum and the minibatch for :math:`S`. Any Pyro inference
+on the transformed model targets it: SVI with any guide, MAP with ``AutoDelta`` (which *is* SAM, with the prior as
+weight decay), and SGLD (which is F-SGLD).
+
+One call of the transformed model costs two forward and two backward passes of the network, like one SAM step:
+
+1. **the recording pass** runs the model in the caller's context: latent values :math:`\theta` come from the
+   enclosing handlers (a guide's replay, an MCMC ``condition``, the prior) and are recorded by them *at*
+   :math:`\theta` (prior at :math:`\theta`); the observed sites are hidden from the enclosing handlers and
+   :math:`\hat g` is taken from their log-likelihood (:func:`torch.autograd.grad` with respect to a zero shift of
+   each latent value, so the network sees exactly :math:`\theta`);
+2. **the perturbed pass** (blocked from the enclosing handlers) replays the same subsample indices, the same random
+   numbers (dropout masks) and — with ``freeze_batchnorm`` — batch statistics without updating BatchNorm's running
+   statistics, at :math:`\theta+\hat\epsilon(\theta)`, and its log-likelihood enters the enclosing model as the single
+   factor site ``"sharpness_aware_log_likelihood"``.
+
+Under ``torch.no_grad()`` (``SVI.evaluate_loss``, ``Predictive`` with observations) the recording pass cannot build a
+graph, so :math:`\hat g` comes from one extra blocked pass; with no observation at all (``Predictive`` with
+``y=None``) there is nothing to perturb and the transformed model costs what the model costs.
+
+References:
+    [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+        Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
+        Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import pyro
+import torch
+from pyro.distributions.util import scale_and_mask
+from pyro.poutine.indep_messenger import CondIndepStackFrame
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.runtime import get_plates
+from torch import Tensor, nn
+from torch.distributions import biject_to, constraints
+from torch.distributions.transforms import Transform
+
+from ..infer.util import is_latent_site, is_subsample_site
+from ..ops.sam import check_radius, sam_perturbation
+
+LOG_LIKELIHOOD_SITE = "sharpness_aware_log_likelihood"
+"""Name of the factor site through which the perturbed log-likelihood enters the transformed model."""
+
+
+def is_likelihood_site(msg: Mapping) -> bool:
+    """An observed sample site that is part of the likelihood: not a ``pyro.deterministic`` record and not a plate's
+    subsample indices (``pyro.factor`` statements count as likelihood)."""
+    return (
+        msg["type"] == "sample"
+        and msg["is_observed"]
+        and not is_subsample_site(msg)
+        and not msg["infer"].get("_deterministic", False)
+    )
+
+
+class _RandomState:
+    """The states of torch's CPU generator and of the CUDA generators of ``devices`` (no host sync)."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = list(devices)
+
+    def get(self) -> tuple[Tensor, list[Tensor]]:
+        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
+
+    def set(self, state: tuple[Tensor, list[Tensor]]) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        for device, s in zip(self.devices, cuda, strict=True):
+            torch.cuda.set_rng_state(s, device)
+
+
+class _RecordingPass(Messenger):
+    """The recording pass: hides the likelihood sites from the enclosing handlers (keeping them for the log-likelihood),
+    records the latent values and the subsample indices, the random state after each subsample draw and, with
+    ``shift``, hands the model :math:`\\theta + \\delta` with :math:`\\delta` a zero leaf per latent site (so that
+    :math:`\\nabla_\\delta` is the gradient in :math:`\\theta`) while the enclosing handlers record :math:`\\theta`
+    (their ``_postprocess_message`` runs before this innermost one)."""
+
+    def __init__(self, random_state: _RandomState, shift: bool) -> None:
+        super().__init__()
+        self.random_state = random_state
+        self.shift = shift
+        self.latents: dict[str, tuple[Tensor, object]] = {}
+        self.deltas: dict[str, Tensor] = {}
+        self.likelihood: dict[str, dict] = {}
+        self.subsamples: dict[str, Tensor] = {}
+        self.states_after_subsample: list[tuple[Tensor, list[Tensor]]] = []
+        self.discrete: list[str] = []
+        self._latent_names: set[str] = set()
+
+    def _pyro_sample(self, msg: dict) -> None:
+        # runs before the enclosing handlers: an MCMC `condition` has not yet marked the latent sites observed
+        if is_likelihood_site(msg):
+            msg["stop"] = True  # the enclosing handlers never see it; it is scored at the perturbed values instead
+        elif is_latent_site(msg):
+            if msg["fn"].support.is_discrete:
+                self.discrete.append(msg["name"])
+            else:
+                self._latent_names.add(msg["name"])
+
+    def _pyro_post_sample(self, msg: dict) -> None:
+        name = msg["name"]
+        if is_subsample_site(msg):
+            self.subsamples[name] = msg["value"]
+            self.states_after_subsample.append(self.random_state.get())
+        elif name in self._latent_names:
+            value = msg["value"]
+            self.latents[name] = (value, msg["fn"])
+            if self.shift:
+                delta = torch.zeros_like(value, requires_grad=True)
+                self.deltas[name] = delta
+                msg["value"] = value + delta
+        elif is_likelihood_site(msg):
+            self.likelihood[name] = msg
+
+
+class _ReplayedPass(Messenger):
+    """Runs the model at given latent values with the subsample indices and the random numbers of a
+    :class:`_RecordingPass`, hidden from the enclosing handlers (every message stops here, as under
+    ``poutine.block()``), and keeps its likelihood sites. After each subsample site (whose indices are set, hence
+    drawn without randomness) the random state recorded there is restored, so dropout masks are the same."""
+
+    def __init__(self, values: Mapping[str, Tensor], record: _RecordingPass) -> None:
+        super().__init__()
+        self.values = {**record.subsamples, **values}
+        self.record = record
+        self.likelihood: dict[str, dict] = {}
+        self._next_state = 0
+
+    def _process_message(self, msg: dict) -> None:
+        msg["stop"] = True
+        if msg["type"] == "sample" and msg["name"] in self.values:
+            msg["value"] = self.values[msg["name"]]
+            msg["is_observed"] = True
+
+    def _postprocess_message(self, msg: dict) -> None:
+        if msg["type"] != "sample":
+            return
+        states = self.record.states_after_subsample
+        if is_subsample_site(msg) and self._next_state < len(states):
+            self.record.random_state.set(states[self._next_state])
+            self._next_state += 1
+        elif msg["name"] in self.record.likelihood:
+            self.likelihood[msg["name"]] = msg
+
+
+@contextlib.contextmanager
+def _frozen_batchnorm(modules: Sequence[nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
+    """BatchNorm layers normalise with the batch statistics (in train mode) without updating their running
+    statistics or ``num_batches_tracked`` (in eval mode they use the running statistics, which is unchanged)."""
+    saved = [m.track_running_stats for m in modules]
+    try:
+        for m in modules:
+            m.track_running_stats = False
+        yield
+    finally:
+        for m, flag in zip(modules, saved, strict=True):
+            m.track_running_stats = flag
+
+
+def check_options(rho: float, adaptive: bool, freeze_batchnorm: bool) -> float:
+    """Validate the options of the sharpness-aware transform and ELBOs; returns ``rho`` as a float."""
+    rho = check_radius(rho, "rho")
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"`adaptive` must be a bool, got {adaptive!r}")
+    if not isinstance(freeze_batchnorm, bool):
+        raise ValueError(f"`freeze_batchnorm` must be a bool, got {freeze_batchnorm!r}")
+    return rho
+
+
+def _is_real(support: constraints.Constraint) -> bool:
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support is constraints.real
+
+
+def _plate_positions(value: Tensor, event_dim: int, frames: Sequence[CondIndepStackFrame]) -> list[int]:
+    batch_dim = value.dim() - event_dim
+    positions = [batch_dim + f.dim for f in frames]
+    if any(p < 0 for p in positions):
+        raise ValueError(
+            f"sharpness_aware: a latent value of shape {tuple(value.shape)} lacks the dimensions of the enclosing "
+            f"plates {[f.name for f in frames]}"
+        )
+    return positions
+
+
+def _per_plate_element(
+    fn: Callable[[list[Tensor], list[Tensor]], list[Tensor]],
+    grads: list[Tensor],
+    params: list[Tensor],
+    event_dims: list[int],
+    frames: Sequence[CondIndepStackFrame],
+) -> list[Tensor]:
+    """Apply ``fn`` independently to every element of the enclosing (vectorised) plates, e.g. to every particle of
+    ``vectorize_particles=True``: the plate dimensions are moved to the front, flattened, and ``fn`` is vmapped."""
+    if not frames:
+        return fn(grads, params)
+    sizes = [f.size for f in frames]
+    count = math.prod(sizes)
+    flat_g, flat_p, layouts = [], [], []
+    for g, p, event_dim in zip(grads, params, event_dims, strict=True):
+        positions = _plate_positions(g, event_dim, frames)
+        shape = list(g.shape)
+        for pos, size in zip(positions, sizes, strict=True):
+            shape[pos] = size
+        front = list(range(len(frames)))
+        moved_g = g.expand(shape).movedim(positions, front)
+        moved_p = p.expand(shape).movedim(positions, front)
+        layouts.append((positions, front, moved_g.shape))
+        flat_g.append(moved_g.reshape(count, -1))
+        flat_p.append(moved_p.reshape(count, -1))
+    flat_out = torch.func.vmap(fn)(flat_g, flat_p)
+    return [
+        out.reshape(moved_shape).movedim(front, positions)
+        for out, (positions, front, moved_shape) in zip(flat_out, layouts, strict=True)
+    ]
+
+
+def _sum_to_plates(log_prob: Tensor, frames: Sequence[CondIndepStackFrame]) -> Tensor:
+    """Sum ``log_prob`` over every dimension but those of ``frames``, keeping the plates' layout (so that the factor
+    site has a valid batch shape inside them)."""
+    if not frames:
+        return log_prob.sum()
+    nesting = max(-f.dim for f in frames)
+    if log_prob.dim() < nesting:
+        log_prob = log_prob.reshape((1,) * (nesting - log_prob.dim()) + log_prob.shape)
+    keep = {log_prob.dim() + f.dim for f in frames}
+    summed = [d for d in range(log_prob.dim()) if d not in keep]
+    out = log_prob.sum(summed, keepdim=True) if summed else log_prob
+    return out.reshape(out.shape[out.dim() - nesting :])
+
+
+class SharpnessAwareModel(nn.Module):
+    r"""The transformed model returned by :func:`sharpness_aware` (see there and the module docstring).
+
+    An ``nn.Module`` wrapping ``model`` (so ``train()``/``eval()`` and ``parameters()`` reach it), called with the
+    model's own signature. Its trace holds the model's latent sites at :math:`\theta` (prior at :math:`\theta`), its
+    subsample and ``pyro.deterministic`` sites (computed at :math:`\theta`), and the factor site
+    :data:`LOG_LIKELIHOOD_SITE` carrying :math:`\ell_B(\theta+\hat\epsilon(\theta))`, in place of the observed sites.
+    It returns what the model returns at :math:`\theta`.
+
+    :param model: the Pyro model.
+    :param float rho: the SAM radius :math:`\rho\ge0`.
+    :param bool adaptive: ASAM scaling of the ascent step.
+    :param bool freeze_batchnorm: do not update BatchNorm running statistics in the extra passes.
+    """
+
+    def __init__(self, model: Callable, rho: float, *, adaptive: bool = False, freeze_batchnorm: bool = True) -> None:
+        super().__init__()
+        if not callable(model):
+            raise ValueError(f"`model` must be a callable Pyro model, got {type(model).__name__}")
+        self.model = model
+        self.rho = check_options(rho, adaptive, freeze_batchnorm)
+        self.adaptive = adaptive
+        self.freeze_batchnorm = freeze_batchnorm
+        self._batchnorm: list[nn.modules.batchnorm._BatchNorm] | None = None
+
+    def extra_repr(self) -> str:
+        return f"rho={self.rho}, adaptive={self.adaptive}, freeze_batchnorm={self.freeze_batchnorm}"
+
+    def _cuda_devices(self, args: tuple, kwargs: dict) -> list[torch.device]:
+        if not torch.cuda.is_available():
+            return []
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        if isinstance(self.model, nn.Module):
+            tensors += list(self.model.parameters()) + list(self.model.buffers())
+        return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+
+    def _batchnorm_layers(self) -> list[nn.modules.batchnorm._BatchNorm]:
+        if not (self.freeze_batchnorm and isinstance(self.model, nn.Module)):
+            return []
+        if self._batchnorm is None:  # looked up once: the layers of a network do not change between steps
+            self._batchnorm = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        return self._batchnorm
+
+    def _replayed_log_likelihood(
+        self,
+        values: Mapping[str, Tensor],
+        record: _RecordingPass,
+        start_state: tuple,
+        frames: Sequence[CondIndepStackFrame],
+        args: tuple,
+        kwargs: dict,
+    ) -> Tensor:
+        """:math:`\\ell_B` at ``values``, with the recorded subsample indices and random numbers, blocked from the
+        enclosing handlers, BatchNorm statistics frozen."""
+        record.random_state.set(start_state)
+        replayed = _ReplayedPass(values, record)
+        with replayed, _frozen_batchnorm(self._batchnorm_layers()):
+            self.model(*args, **kwargs)
+        missing = sorted(set(record.likelihood) - set(replayed.likelihood))
+        if missing:
+            raise ValueError(
+                f"sharpness_aware: the observed sites {missing} of the recording pass are absent from the perturbed "
+                "pass; the model's structure must not depend on the latent values"
+            )
+        return self._log_likelihood(replayed.likelihood, record.likelihood, frames)
+
+    @staticmethod
+    def _log_likelihood(
+        sites: Mapping[str, dict], names: Sequence[str], frames: Sequence[CondIndepStackFrame]
+    ) -> Tensor:
+        total = 0.0
+        for name in names:
+            site = sites[name]
+            log_prob = site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
+            log_prob = scale_and_mask(log_prob, site["scale"], site["mask"])
+            total = total + _sum_to_plates(log_prob, frames)
+        return total
+
+    def _perturbed_values(
+        self, record: _RecordingPass, grads: Sequence[Tensor | None], frames: Sequence[CondIndepStackFrame]
+    ) -> dict[str, Tensor]:
+        r""":math:`\theta+\hat\epsilon(\theta)`, the ascent taken in each site's unconstrained space (the values
+        themselves for real-valued sites), with one global norm over all sites per element of the enclosing plates."""
+        values, unconstrained_grads, unconstrained, transforms, event_dims = {}, [], [], [], []
+        for (name, (value, fn)), grad in zip(record.latents.items(), grads, strict=True):
+            grad = torch.zeros_like(value) if grad is None else grad
+            transform: Transform | None = None if _is_real(fn.support) else biject_to(fn.support)
+            if transform is None:
+                u = value.detach()
+            else:  # chain rule to the unconstrained coordinates: g_u = J^T g
+                with torch.enable_grad():
+                    u = transform.inv(value.detach()).requires_grad_()
+                    (grad,) = torch.autograd.grad(transform(u), u, grad)
+                u = u.detach()
+            values[name] = value
+            transforms.append(transform)
+            unconstrained_grads.append(grad)
+            unconstrained.append(u)
+            event_dims.append(fn.event_dim)
+
+        def ascent(gs: list[Tensor], ps: list[Tensor]) -> list[Tensor]:
+            return sam_perturbation(gs, self.rho, adaptive=self.adaptive, params=ps)
+
+        eps = _per_plate_element(ascent, unconstrained_grads, unconstrained, event_dims, frames)
+        perturbed = {}
+        for (name, value), transform, e in zip(values.items(), transforms, eps, strict=True):
+            perturbed[name] = value + e if transform is None else transform(transform.inv(value) + e)
+        return perturbed
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        frames = [f for f in get_plates() if f.vectorized]
+        random_state = _RandomState(self._cuda_devices(args, kwargs))
+        start_state = random_state.get()
+        grad_enabled = torch.is_grad_enabled()
+        record = _RecordingPass(random_state, shift=grad_enabled)
+        with record:
+            result = self.model(*args, **kwargs)
+        end_state = random_state.get()
+        if not (record.latents or record.discrete):
+            raise ValueError(
+                "sharpness_aware: the model has no latent sample site; there is nothing to perturb (observed, "
+                "deterministic and subsample sites are not latent)"
+            )
+        if not record.likelihood:
+            return result  # e.g. Predictive with y=None: no likelihood, no perturbation
+        if record.discrete:
+            raise ValueError(
+                f"sharpness_aware: latent sites {record.discrete} have discrete support; the SAM perturbation needs "
+                "continuous latent values"
+            )
+        try:
+            with torch.enable_grad():
+                if grad_enabled:
+                    deltas = [record.deltas[name] for name in record.latents]
+                    log_lik = self._log_likelihood(record.likelihood, record.likelihood, frames)
+                else:  # no graph from the recording pass: one extra blocked pass at theta + 0
+                    deltas = [torch.zeros_like(v, requires_grad=True) for v, _ in record.latents.values()]
+                    shifted = {name: v + d for (name, (v, _)), d in zip(record.latents.items(), deltas, strict=True)}
+                    log_lik = self._replayed_log_likelihood(shifted, record, start_state, frames, args, kwargs)
+                if isinstance(log_lik, Tensor) and log_lik.requires_grad:
+                    grads = torch.autograd.grad(-log_lik.sum(), deltas, allow_unused=True)
+                else:
+                    grads = [None] * len(deltas)
+            perturbed = self._perturbed_values(record, grads, frames)
+            log_lik = self._replayed_log_likelihood(perturbed, record, start_state, frames, args, kwargs)
+        finally:
+            random_state.set(end_state)  # the caller's random stream continues as after one model run
+        pyro.factor(LOG_LIKELIHOOD_SITE, log_lik)
+        return result
+
+
+def sharpness_aware(
+    model: Callable, rho: float = 0.05, *, adaptive: bool = False, freeze_batchnorm: bool = True
+) -> SharpnessAwareModel:
+    r"""Transform a Pyro model into its sharpness-aware posterior model (Flat Seeking BNNs [1]).
+
+    The returned model has the model's signature and the density
+
+    .. math::
+
+        \tilde p_{\mathrm{SA}}(\theta, \mathcal D_B) = p(\theta)\, \exp\big(\ell_B(\theta + \hat\epsilon(\theta))\big),
+        \qquad \hat\epsilon(\theta) = \rho\,\frac{\hat g}{\|\hat g\|_2},\quad
+        \hat g = \operatorname{sg}\big[-\nabla_\theta\,\ell_B(\theta)\big],
+
+    with :math:`\theta` all latent sites, :math:`p(\theta)` their prior, :math:`\ell_B` the log-likelihood of all
+    observed sites (``pyro.factor`` statements included) of one model run on its minibatch :math:`\mathcal D_B`
+    (plate-scaled by :math:`N/B`), :math:`\|\cdot\|_2` the global L2 norm over all latent sites and
+    :math:`\operatorname{sg}` a stop-gradient. The prior is evaluated at :math:`\theta`, the likelihood at the
+    perturbed values with the same minibatch and the same random numbers (dropout masks). Inference on it:
+
+    * ``SVI(sharpness_aware(model), guide, optim, Trace_ELBO())`` with any reparameterised guide is the SA-ELBO: it
+      gives the same loss and gradients as ``SVI(model, guide, optim, SharpnessAwareELBO(rho))`` under the same seed
+      (:class:`~pyro_flat.infer.SharpnessAwareELBO` *is* ``Trace_ELBO`` on this transform);
+    * ``AutoDelta`` + ``Trace_ELBO`` on it is SAM with the prior as weight decay (the MAP of
+      :math:`\tilde p_{\mathrm{SA}}`);
+    * an SGLD kernel on it (``initialize_model`` gives the potential
+      :math:`U_{\mathrm{SA}}(\theta)=-\log p(\theta)-\ell_B(\theta+\hat\epsilon(\theta))`) is F-SGLD.
+
+    The ascent is taken in the unconstrained space of each site (:func:`torch.distributions.biject_to` of its support;
+    for the real-valued weights of a network, the values themselves), so perturbed values stay in the support. With
+    vectorised plates around the transformed model (``vectorize_particles=True``), the norm is taken per element of
+    those plates, i.e. per particle.
+
+    ``Predictive(sharpness_aware(model), guide=guide)`` returns the model's sites at the guide's :math:`\theta` (the
+    unperturbed values; with ``y=None`` there is no likelihood and no extra pass), i.e. the same as
+    ``Predictive(model, guide=guide)``; the observed sites are replaced by the factor site
+    ``"sharpness_aware_log_likelihood"``.
+
+    :param model: a Pyro model (e.g. :class:`~pyro_flat.nn.BayesianMLP`). Its structure must not depend on the latent
+        values; minibatches are drawn inside it by ``pyro.plate(..., subsample_size=B)`` or passed with ``num_data``.
+    :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05, the value of the F-BNN code for CIFAR-10 and
+        ImageNet fine-tuning [1] (0.1 for CIFAR-100). :math:`\rho=0` gives the model's own density.
+    :param bool adaptive: ASAM [3] scaling :math:`\hat\epsilon=\rho\,T_\theta^2\hat g/\|T_\theta\hat g\|_2`,
+        :math:`T_\theta=|\theta|` (the F-BNN code's ``adaptive`` flag, used there with :math:`\rho=1` for VGG16);
+        default ``False``.
+    :param bool freeze_batchnorm: in the perturbed pass (and the extra gradient pass under ``no_grad``), BatchNorm
+        layers of ``model`` (when it is an ``nn.Module``) use the batch statistics without updating their running
+        statistics, as the F-BNN code's ``disable_running_stats`` does; default ``True``.
+    :returns: the transformed model, a :class:`SharpnessAwareModel`.
+    :raises ValueError: for a negative, NaN or infinite ``rho``; when called, for a model without latent sites or with
+        a discrete latent site.
+
+    .. note:: Cost per call: two forward and two backward passes of the network, plus the tracing of two model runs
+        (three forward passes under ``torch.no_grad`` when observations are present). ``jit_compile`` of
+        Pyro's MCMC potential is not supported.
+
+    .. warning:: :math:`\hat g` is the gradient of the *minibatch* log-likelihood, so the density depends on the
+        minibatch: like SAM it is a stochastic objective, and SGLD on it is F-SGLD, not an exact sampler of
+        :math:`q_{\mathrm{SA}}`.
+
+    Example::
+
+        >>> sa_model = sharpness_aware(model, rho=0.05)                          # doctest: +SKIP
+        >>> guide = AutoDelta(model)                                               # doctest: +SKIP
+        >>> svi = SVI(sa_model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())  # SAM  # doctest: +SKIP
+        >>> svi.step(x, y, subsample_size=128)                                     # doctest: +SKIP
+
+    References:
+        [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+        [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+            Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+        [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
+            Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    """
+    return SharpnessAwareModel(model, rho, adaptive=adaptive, freeze_batchnorm=freeze_batchnorm)
+
+
+__all__ = ["LOG_LIKELIHOOD_SITE", "SharpnessAwareModel", "is_likelihood_site", "sharpness_aware"]

@@ -1,0 +1,375 @@
+"""SharpnessAwareELBO / SharpnessAwareMeanFieldELBO: exact algebra against hand-derived formulas (float64, one
+particle, fixed seed: no Monte-Carlo tolerance), the rho = 0 limit, and the entry-point invariants."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.distributions.testing.fakes import NonreparameterizedNormal
+from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoNormal, init_to_value
+from torch import nn
+
+from pyro_flat.infer import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
+from pyro_flat.nn import BayesianMLP, init_to_network
+from pyro_flat.transforms import sharpness_aware
+
+X = torch.tensor([-0.5, 2.0, 0.3, 1.1], dtype=torch.float64)
+
+
+def gaussian_model(x):
+    with pyro.plate("data", len(x)):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def gaussian_guide(x):
+    loc = pyro.param("loc", torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    scale = pyro.param("scale", torch.tensor([0.9, 1.1, 0.7, 1.3]))
+    with pyro.plate("data", len(x)):
+        pyro.sample("z", dist.Normal(loc, scale))
+
+
+def guide_draw(seed, guide, *args, **kwargs):
+    pyro.set_rng_seed(seed)
+    return poutine.trace(guide).get_trace(*args, **kwargs)
+
+
+def loss_and_param_grads(elbo, model, guide, *args, **kwargs):
+    with poutine.trace(param_only=True) as tr:
+        loss = elbo.loss_and_grads(model, guide, *args, **kwargs)
+    params = {name: site["value"].unconstrained() for name, site in tr.trace.nodes.items()}
+    grads = {name: p.grad.clone() for name, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    return loss, grads
+
+
+def mlp_setup(dropout=0.2):
+    torch.manual_seed(1)
+    model = BayesianMLP(5, 3, hidden=(8,), dropout=dropout)
+    x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
+    guide = AutoNormal(model, init_loc_fn=init_to_network(model), init_scale=0.05)
+    return model, guide, (x, y), {"subsample_size": 8}
+
+
+# ------------------------------------------------------------------------------------------------ exact algebra
+
+
+def test_gaussian_closed_form_gradient():
+    # TESTING §4 model: z_i ~ N(0,1), x_i ~ N(z_i,1), guide z = loc + scale * e. With the SAM step
+    # eps = rho * g/|g|, g = z - x (gradient of the NLL 1/2 sum (x-z)^2), and the likelihood at z + eps:
+    #   d(-ELBO)/dloc_i   = (z_i + eps_i - x_i) + z_i
+    #   d(-ELBO)/dscale_i = (2 z_i + eps_i - x_i) e_i - 1/scale_i
+    rho = 0.3
+    z = guide_draw(7, gaussian_guide, X).nodes["z"]["value"].detach()
+    loc, scale = pyro.param("loc").detach(), pyro.param("scale").detach()
+    pyro.set_rng_seed(7)
+    loss, grads = loss_and_param_grads(SharpnessAwareELBO(rho), gaussian_model, gaussian_guide, X)
+    g = z - X
+    eps = rho * g / g.norm()
+    e = (z - loc) / scale
+    expected_loss = -(
+        dist.Normal(z + eps, 1.0).log_prob(X).sum()
+        + dist.Normal(0.0, 1.0).log_prob(z).sum()
+        - dist.Normal(loc, scale).log_prob(z).sum()
+    )
+    assert loss == pytest.approx(expected_loss.item(), abs=1e-10)
+    torch.testing.assert_close(grads["loc"], 2 * z + eps - X, atol=1e-10, rtol=0)
+    torch.testing.assert_close(grads["scale"], (2 * z + eps - X) * e - 1 / scale, atol=1e-10, rtol=0)
+
+
+def test_rho_zero_is_trace_elbo_on_a_network():
+    # the general two-pass code with eps = 0 (no early return): same loss and gradients as Trace_ELBO, with dropout,
+    # in-model subsampling and two particles (the random stream must continue exactly as Trace_ELBO's)
+    model, guide, args, kwargs = mlp_setup()
+    pyro.set_rng_seed(3)
+    guide(*args, **kwargs)
+    results = []
+    for elbo in (Trace_ELBO(num_particles=2), SharpnessAwareELBO(0.0, num_particles=2)):
+        pyro.set_rng_seed(11)
+        results.append(loss_and_param_grads(elbo, model, guide, *args, **kwargs))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, abs=1e-12, rel=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-12, rtol=0)
+
+
+def test_rho_zero_is_trace_elbo_vectorized():
+    results = []
+    for elbo in (Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1),
+                 SharpnessAwareELBO(0.0, num_particles=3, vectorize_particles=True, max_plate_nesting=1)):
+        pyro.set_rng_seed(5)
+        results.append(loss_and_param_grads(elbo, gaussian_model, gaussian_guide, X))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, abs=1e-12, rel=0)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-12, rtol=0)
+
+
+def quadratic_model(a_matrix):
+    def model():
+        theta = pyro.sample("theta", dist.ImproperUniform(dist.constraints.real, (), (3,)))
+        pyro.factor("loss", -0.5 * theta @ a_matrix @ theta)
+
+    return model
+
+
+A = torch.tensor([[2.0, 0.3, 0.0], [0.3, 1.0, 0.1], [0.0, 0.1, 0.5]], dtype=torch.float64)
+THETA0 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_sam_step_on_quadratic(adaptive):
+    # TESTING §2 item 4: one SAM step on L = 1/2 theta^T A theta with lr eta and radius rho is
+    #   theta - eta * A (theta + eps),  eps = rho A theta / |A theta|   (ASAM: rho theta^2 A theta / |theta A theta|)
+    eta, rho = 0.1, 0.2
+    model = quadratic_model(A)
+    guide = AutoDelta(model, init_loc_fn=init_to_value(values={"theta": THETA0.clone()}))
+    svi = SVI(model, guide, pyro.optim.SGD({"lr": eta}), SharpnessAwareELBO(rho, adaptive=adaptive))
+    loss = svi.step()
+    g = A @ THETA0
+    eps = rho * THETA0**2 * g / (THETA0.abs() * g).norm() if adaptive else rho * g / g.norm()
+    expected = THETA0 - eta * A @ (THETA0 + eps)
+    torch.testing.assert_close(guide.median()["theta"], expected, atol=1e-12, rtol=0)
+    assert loss == pytest.approx((0.5 * (THETA0 + eps) @ A @ (THETA0 + eps)).item(), abs=1e-12)
+
+
+def test_norm_is_global_over_sites():
+    # two sites with curvatures a, b: eps_i = rho g_i / |(g_1, g_2)|, not rho g_i / |g_i|
+    a, b, rho = 3.0, 0.5, 0.4
+    t1, t2 = torch.tensor([1.0, -1.0]), torch.tensor([0.5, 2.0, -1.0])
+
+    def model():
+        u = pyro.sample("u", dist.ImproperUniform(dist.constraints.real, (), (2,)))
+        v = pyro.sample("v", dist.ImproperUniform(dist.constraints.real, (), (3,)))
+        pyro.factor("loss", -0.5 * a * u @ u - 0.5 * b * v @ v)
+
+    guide = AutoDelta(model, init_loc_fn=init_to_value(values={"u": t1.clone(), "v": t2.clone()}))
+    loss = SharpnessAwareELBO(rho).loss(model, guide)
+    g1, g2 = a * t1, b * t2
+    norm = torch.cat([g1, g2]).norm()
+
+    def objective(e1, e2):
+        return (0.5 * a * (t1 + e1) @ (t1 + e1) + 0.5 * b * (t2 + e2) @ (t2 + e2)).item()
+
+    assert loss == pytest.approx(objective(rho * g1 / norm, rho * g2 / norm), abs=1e-12)
+    per_site = objective(rho * g1 / g1.norm(), rho * g2 / g2.norm())
+    assert abs(loss - per_site) > 0.1
+
+
+def test_vectorized_particles_norm_per_particle():
+    # with vectorize_particles the norm is taken per particle: the loss is the mean of the per-particle SA losses
+    rho, num = 0.5, 4
+    elbo = SharpnessAwareELBO(rho, num_particles=num, vectorize_particles=True, max_plate_nesting=1)
+    pyro.set_rng_seed(2)
+    loss = elbo.loss(gaussian_model, gaussian_guide, X)
+    pyro.set_rng_seed(2)
+    with pyro.plate("num_particles_vectorized", num, dim=-2):
+        z = poutine.trace(gaussian_guide).get_trace(X).nodes["z"]["value"]
+    assert z.shape == (num, len(X))
+    loc, scale = pyro.param("loc"), pyro.param("scale")
+
+    def sa_loss(eps):
+        log_lik = dist.Normal(z + eps, 1.0).log_prob(X).sum(-1)
+        log_prior = dist.Normal(0.0, 1.0).log_prob(z).sum(-1)
+        log_q = dist.Normal(loc, scale).log_prob(z).sum(-1)
+        return -(log_lik + log_prior - log_q).mean().item()
+
+    g = z - X
+    assert loss == pytest.approx(sa_loss(rho * g / g.norm(dim=-1, keepdim=True)), abs=1e-10)
+    assert abs(loss - sa_loss(rho * g / g.norm())) > 1e-3  # one norm over all particles would differ
+
+
+def test_num_particles_is_the_mean_of_single_particles():
+    model, guide, args, kwargs = mlp_setup()
+    pyro.set_rng_seed(0)
+    guide(*args, **kwargs)
+    pyro.set_rng_seed(4)
+    loss = SharpnessAwareELBO(0.1, num_particles=3).loss(model, guide, *args, **kwargs)
+    pyro.set_rng_seed(4)
+    single = SharpnessAwareELBO(0.1)
+    losses = [single.loss(model, guide, *args, **kwargs) for _ in range(3)]
+    assert loss == pytest.approx(sum(losses) / 3, abs=1e-10)
+
+
+def test_mean_field_variant_uses_the_analytic_kl():
+    rho = 0.3
+    z = guide_draw(8, gaussian_guide, X).nodes["z"]["value"].detach()
+    loc, scale = pyro.param("loc").detach(), pyro.param("scale").detach()
+    pyro.set_rng_seed(8)
+    loss, grads = loss_and_param_grads(SharpnessAwareMeanFieldELBO(rho), gaussian_model, gaussian_guide, X)
+    g = z - X
+    eps = rho * g / g.norm()
+    kl = torch.distributions.kl_divergence(dist.Normal(loc, scale), dist.Normal(0.0, 1.0)).sum()
+    assert loss == pytest.approx((kl - dist.Normal(z + eps, 1.0).log_prob(X).sum()).item(), abs=1e-10)
+    # d/dloc: (z + eps - x) through z, plus dKL/dloc = loc
+    torch.testing.assert_close(grads["loc"], (z + eps - X) + loc, atol=1e-10, rtol=0)
+
+
+# --------------------------------------------------------------------------------------- entry points, equivalence
+
+
+@pytest.mark.parametrize("elbo_class", [SharpnessAwareELBO, SharpnessAwareMeanFieldELBO])
+def test_loss_differentiable_loss_and_loss_and_grads_agree(elbo_class):
+    model, guide, args, kwargs = mlp_setup()
+    pyro.set_rng_seed(0)
+    guide(*args, **kwargs)
+    elbo = elbo_class(0.1)
+    pyro.set_rng_seed(9)
+    loss = elbo.loss(model, guide, *args, **kwargs)
+    pyro.set_rng_seed(9)
+    value, grads = loss_and_param_grads(elbo, model, guide, *args, **kwargs)
+    pyro.set_rng_seed(9)
+    with poutine.trace(param_only=True) as tr:
+        surrogate = elbo.differentiable_loss(model, guide, *args, **kwargs)
+    params = {name: site["value"].unconstrained() for name, site in tr.trace.nodes.items()}
+    diff_grads = dict(zip(params, torch.autograd.grad(surrogate, list(params.values())), strict=True))
+    assert value == pytest.approx(loss, abs=1e-10)
+    assert surrogate.item() == pytest.approx(loss, abs=1e-10)
+    for name in grads:
+        torch.testing.assert_close(diff_grads[name], grads[name], atol=1e-10, rtol=0)
+    with torch.no_grad():  # the no-grad path (SVI.evaluate_loss) computes the ascent with an extra pass
+        pyro.set_rng_seed(9)
+        assert elbo.loss(model, guide, *args, **kwargs) == pytest.approx(loss, abs=1e-10)
+
+
+@pytest.mark.parametrize("elbo_class, base_class", [(SharpnessAwareELBO, Trace_ELBO),
+                                                    (SharpnessAwareMeanFieldELBO, TraceMeanField_ELBO)])
+def test_elbo_equals_base_elbo_on_the_transform(elbo_class, base_class):
+    model, guide, args, kwargs = mlp_setup()
+    pyro.set_rng_seed(0)
+    guide(*args, **kwargs)
+    results = []
+    for m, elbo in ((model, elbo_class(0.07, num_particles=2)),
+                    (sharpness_aware(model, 0.07), base_class(num_particles=2))):
+        pyro.set_rng_seed(21)
+        results.append(loss_and_param_grads(elbo, m, guide, *args, **kwargs))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, abs=1e-12)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-12, rtol=0)
+
+
+def test_elbo_module_route_gives_the_sam_gradient():
+    # Pyro's ELBOModule (elbo(model, guide)) calls differentiable_loss: the gradient is the SA-ELBO's
+    model, guide, args, kwargs = mlp_setup(dropout=0.0)
+    pyro.set_rng_seed(0)
+    guide(*args, **kwargs)
+    elbo = SharpnessAwareELBO(0.2)
+    pyro.set_rng_seed(1)
+    _, grads = loss_and_param_grads(elbo, model, guide, *args, **kwargs)
+    module = elbo(model, guide)
+    pyro.set_rng_seed(1)
+    module(*args, **kwargs).backward()
+    for name, p in pyro.get_param_store().named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-12, rtol=0)
+        p.grad = None
+    pyro.set_rng_seed(1)
+    _, plain = loss_and_param_grads(Trace_ELBO(), model, guide, *args, **kwargs)
+    assert any((plain[k] - grads[k]).abs().max() > 1e-6 for k in grads)
+
+
+def test_training_then_predictive():
+    model, guide, args, kwargs = mlp_setup()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), SharpnessAwareELBO(0.05))
+    losses = [svi.step(*args, **kwargs) for _ in range(30)]
+    assert all(math.isfinite(v) for v in losses)
+    assert svi.evaluate_loss(*args, **kwargs) < losses[0]
+    x = args[0]
+    samples = Predictive(model, guide=guide, num_samples=4, return_sites=["logits", "obs"])(x)
+    assert samples["logits"].shape == (4, 40, 3)
+    assert samples["obs"].shape == (4, 40)
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("rho", [-0.1, float("nan"), float("inf"), "0.1", torch.ones(2)])
+def test_bad_rho(rho):
+    with pytest.raises(ValueError, match="rho"):
+        SharpnessAwareELBO(rho)
+    with pytest.raises(ValueError, match="rho"):
+        SharpnessAwareMeanFieldELBO(rho)
+
+
+@pytest.mark.parametrize("option", ["adaptive", "freeze_batchnorm"])
+def test_bad_flags(option):
+    with pytest.raises(ValueError, match=option):
+        SharpnessAwareELBO(0.1, **{option: 1})
+
+
+def test_model_without_latent_site():
+    def model(x):
+        pyro.sample("x", dist.Normal(0.0, 1.0).expand([4]).to_event(1), obs=x)
+
+    def guide(x):
+        pass
+
+    with pytest.raises(ValueError, match="no latent sample site"):
+        SharpnessAwareELBO(0.1).loss(model, guide, X)
+
+
+def test_non_reparameterised_guide():
+    def guide(x):
+        with pyro.plate("data", len(x)):
+            pyro.sample("z", NonreparameterizedNormal(torch.zeros(4), torch.ones(4)))
+
+    with pytest.raises(ValueError, match="'z'.*not reparameterisable"):
+        SharpnessAwareELBO(0.1).loss(gaussian_model, guide, X)
+
+
+def test_discrete_latent():
+    def model():
+        c = pyro.sample("c", dist.Bernoulli(0.3))
+        pyro.sample("x", dist.Normal(c, 1.0), obs=torch.tensor(0.5))
+
+    def guide():
+        pyro.sample("c", dist.Bernoulli(0.5))
+
+    with pytest.raises(ValueError, match=r"\['c'\] have discrete support"):
+        SharpnessAwareELBO(0.1).loss(model, guide)
+
+
+# ------------------------------------------------------------------------------------- batch norm in the passes
+
+
+class BatchNormModel(nn.Module):
+    """A tiny network with BatchNorm as a Pyro model (only the head is random)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.ReLU())
+        self.head = pyro.nn.PyroModule[nn.Linear](6, 2)
+        self.head.weight = pyro.nn.PyroSample(dist.Normal(0.0, 1.0).expand([2, 6]).to_event(2))
+
+    def forward(self, x, y=None):
+        logits = self.head(self.body(x))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+
+@pytest.mark.parametrize("freeze, expected_updates", [(True, 1), (False, 2)])
+def test_batchnorm_running_stats_frozen_in_the_perturbed_pass(freeze, expected_updates):
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    model = BatchNormModel()
+    bn = model.body[1]
+    guide = AutoNormal(model)
+    pyro.set_rng_seed(0)
+    guide(x, y)  # sets the guide up (one model pass)
+    bn.reset_running_stats()
+    Trace_ELBO().loss(model, guide, x, y)  # one ordinary pass
+    after_one = bn.running_mean.clone(), bn.running_var.clone()
+    bn.reset_running_stats()
+    SharpnessAwareELBO(0.5, freeze_batchnorm=freeze).loss(model, guide, x, y)
+    assert int(bn.num_batches_tracked) == expected_updates
+    if freeze:
+        torch.testing.assert_close(bn.running_mean, after_one[0], atol=0, rtol=0)
+        torch.testing.assert_close(bn.running_var, after_one[1], atol=0, rtol=0)
+    assert bn.track_running_stats  # restored

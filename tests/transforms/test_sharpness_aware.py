@@ -1,0 +1,244 @@
+"""sharpness_aware(model, rho): the density p(theta) exp(loglik_B(theta + eps(theta))) checked by hand (float64),
+with the same minibatch and the same random numbers in every pass, under SVI, MCMC potentials and Predictive."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoNormal, init_to_value
+from pyro.infer.mcmc.util import initialize_model
+from pyro.ops.integrator import potential_grad
+
+from pyro_flat.nn import BayesianMLP, init_to_network
+from pyro_flat.transforms import LOG_LIKELIHOOD_SITE, SharpnessAwareModel, sharpness_aware
+
+
+def factor_value(trace):
+    return trace.nodes[LOG_LIKELIHOOD_SITE]["fn"].log_factor
+
+
+def regression_data():
+    torch.manual_seed(0)
+    features = torch.randn(12, 2, dtype=torch.float64)
+    targets = features @ torch.tensor([1.5, -0.5], dtype=torch.float64) + 0.3 * torch.randn(12, dtype=torch.float64)
+    return features, targets
+
+
+def regression_model(features, targets=None, subsample_size=None):
+    theta = pyro.sample("theta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with pyro.plate("data", len(features), subsample_size=subsample_size) as idx:
+        pyro.sample("y", dist.Normal(features[idx] @ theta, 1.0), obs=None if targets is None else targets[idx])
+
+
+def test_trace_holds_prior_at_theta_and_likelihood_at_the_perturbed_values():
+    features, targets = regression_data()
+    theta = torch.tensor([0.2, 0.4], dtype=torch.float64)
+    rho = 0.3
+    trace = poutine.trace(poutine.condition(sharpness_aware(regression_model, rho), {"theta": theta})).get_trace(
+        features, targets
+    )
+    assert "y" not in trace.nodes  # the observed site is replaced by the factor
+    assert torch.equal(trace.nodes["theta"]["value"], theta)
+    g = -features.T @ (targets - features @ theta)  # gradient of the NLL 1/2 |y - X theta|^2
+    eps = rho * g / g.norm()
+    expected = dist.Normal(features @ (theta + eps), 1.0).log_prob(targets).sum()
+    torch.testing.assert_close(factor_value(trace), expected, atol=1e-12, rtol=0)
+    expected_joint = dist.Normal(0.0, 1.0).log_prob(theta).sum() + expected
+    torch.testing.assert_close(trace.log_prob_sum(), expected_joint, atol=1e-12, rtol=0)
+
+
+def test_mcmc_potential_and_its_gradient():
+    # U_SA(theta) = -log p(theta) - loglik(theta + eps(theta)), eps constant: grad U = theta - X^T (y - X (theta+eps))
+    features, targets = regression_data()
+    rho = 0.25
+    sa_model = sharpness_aware(regression_model, rho)
+    _, potential_fn, transforms, _ = initialize_model(sa_model, model_args=(features, targets))
+    theta = torch.tensor([0.7, -1.1], dtype=torch.float64)
+    grads, potential = potential_grad(potential_fn, {"theta": theta})
+    g = -features.T @ (targets - features @ theta)
+    eps = rho * g / g.norm()
+    expected = -dist.Normal(0.0, 1.0).log_prob(theta).sum() - dist.Normal(features @ (theta + eps), 1.0).log_prob(
+        targets
+    ).sum()
+    torch.testing.assert_close(potential, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grads["theta"], theta - features.T @ (targets - features @ (theta + eps)),
+                               atol=1e-12, rtol=0)
+    # the same potential by hand through poutine.condition
+    hand = -poutine.trace(poutine.condition(sa_model, {"theta": theta})).get_trace(features, targets).log_prob_sum()
+    torch.testing.assert_close(hand, expected, atol=1e-12, rtol=0)
+
+
+def test_same_minibatch_when_the_indices_come_from_the_guide():
+    # the guide draws the subsample indices and the model replays them: the perturbed pass must score the same
+    # minibatch (redrawing it from the restored random state would give another one)
+    data = torch.linspace(-2.0, 3.0, 30, dtype=torch.float64)
+    n, b, rho = len(data), 5, 0.4
+
+    def model(x):
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", n, subsample_size=b) as idx:
+            pyro.sample("x", dist.Normal(loc, 1.0), obs=x[idx])
+
+    def guide(x):
+        loc = pyro.sample("loc", dist.Normal(pyro.param("m", torch.tensor(0.3)), 0.5))
+        with pyro.plate("data", n, subsample_size=b):
+            pass
+        return loc
+
+    pyro.set_rng_seed(4)
+    guide_trace = poutine.trace(guide).get_trace(data)
+    loc, idx = guide_trace.nodes["loc"]["value"], guide_trace.nodes["data"]["value"]
+    pyro.set_rng_seed(4)
+    model_trace = poutine.trace(poutine.replay(sharpness_aware(model, rho), trace=guide_trace)).get_trace(data)
+    assert torch.equal(model_trace.nodes["data"]["value"], idx)
+    g = -(n / b) * (data[idx] - loc).sum()
+    expected = (n / b) * dist.Normal(loc + rho * torch.sign(g), 1.0).log_prob(data[idx]).sum()
+    torch.testing.assert_close(factor_value(model_trace), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mask_first", [False, True], ids=["mask_after_subsample", "mask_before_plate"])
+def test_same_dropout_mask(mask_first, device):
+    # mask after the subsample draw: the perturbed pass replays the indices without drawing them, so the random
+    # stream must be re-aligned after the subsample site for the mask to be the same; mask before the plate: the
+    # random stream must be restored to where the model run started
+    torch.manual_seed(0)
+    data = torch.randn(40, dtype=torch.float64).to(device)
+    n, b, rho = len(data), 10, 0.5
+
+    def dropout_mask():
+        mask = torch.nn.functional.dropout(torch.ones(b, device=device), p=0.5, training=True)
+        return pyro.deterministic("mask", mask)
+
+    def model(x):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([b]).to_event(1))
+        mask = dropout_mask() if mask_first else None
+        with pyro.plate("data", n, subsample_size=b, device=device) as idx:
+            mask = dropout_mask() if mask is None else mask
+            pyro.sample("x", dist.Normal(w * mask, 1.0), obs=x[idx])
+
+    w = torch.linspace(-1.0, 1.0, b, dtype=torch.float64, device=device)
+    pyro.set_rng_seed(0)
+    trace = poutine.trace(poutine.condition(sharpness_aware(model, rho), {"w": w})).get_trace(data)
+    idx, mask = trace.nodes["data"]["value"], trace.nodes["mask"]["value"]
+    assert 0 < (mask == 0).sum() < b  # a real mask
+    x = data[idx]
+    g = -(n / b) * (x - w * mask) * mask
+    eps = rho * g / g.norm()
+    expected = (n / b) * dist.Normal((w + eps) * mask, 1.0).log_prob(x).sum()
+    torch.testing.assert_close(factor_value(trace), expected, atol=1e-12, rtol=0)
+
+
+def test_two_subsampled_plates():
+    torch.manual_seed(1)
+    xs, ws = torch.randn(20, dtype=torch.float64), torch.randn(9, dtype=torch.float64) + 1.0
+    rho = 0.3
+
+    def model(x, w):
+        theta = pyro.sample("theta", dist.Normal(0.0, 1.0))
+        with pyro.plate("a", len(x), subsample_size=4) as i:
+            pyro.sample("x", dist.Normal(theta, 1.0), obs=x[i])
+        with pyro.plate("b", len(w), subsample_size=3) as j:
+            pyro.sample("w", dist.Normal(2 * theta, 1.0), obs=w[j])
+
+    pyro.set_rng_seed(2)
+    trace = poutine.trace(sharpness_aware(model, rho)).get_trace(xs, ws)
+    theta, i, j = (trace.nodes[k]["value"] for k in ("theta", "a", "b"))
+    g = -(20 / 4) * (xs[i] - theta).sum() - (9 / 3) * (2 * (ws[j] - 2 * theta)).sum()
+    t = theta + rho * torch.sign(g)
+    expected = (20 / 4) * dist.Normal(t, 1.0).log_prob(xs[i]).sum() + (9 / 3) * dist.Normal(2 * t, 1.0).log_prob(
+        ws[j]
+    ).sum()
+    torch.testing.assert_close(factor_value(trace), expected, atol=1e-12, rtol=0)
+
+
+def test_constrained_latent_is_perturbed_in_unconstrained_space():
+    # sigma > 0: the ascent is taken in u = log sigma, so sigma' = sigma * exp(rho * sign(dNLL/du)) stays positive
+    data = torch.tensor([0.3, -1.2, 2.0, 0.1], dtype=torch.float64)
+    rho = 3.0  # large enough that a step in sigma itself would leave the support
+
+    def model(x):
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("x", dist.Normal(0.0, sigma), obs=x)
+
+    sigma = torch.tensor(0.5, dtype=torch.float64)
+    trace = poutine.trace(poutine.condition(sharpness_aware(model, rho), {"sigma": sigma})).get_trace(data)
+    dnll_dsigma = len(data) / sigma - (data**2).sum() / sigma**3
+    perturbed = sigma * torch.exp(rho * torch.sign(dnll_dsigma * sigma))
+    # exp(log(sigma) + eps) is exact only up to rounding: relative tolerance
+    torch.testing.assert_close(factor_value(trace), dist.Normal(0.0, perturbed).log_prob(data).sum(),
+                               atol=0, rtol=1e-12)
+
+
+def test_sam_via_autodelta_and_trace_elbo():
+    # MAP of the transformed model with AutoDelta is SAM: theta - lr * grad L(theta + rho g/|g|)
+    features, targets = regression_data()
+    theta0 = torch.tensor([0.1, 0.2], dtype=torch.float64)
+    lr, rho = 1e-3, 0.2
+    sa_model = sharpness_aware(regression_model, rho)
+    guide = AutoDelta(regression_model, init_loc_fn=init_to_value(values={"theta": theta0.clone()}))
+    SVI(sa_model, guide, pyro.optim.SGD({"lr": lr}), Trace_ELBO()).step(features, targets)
+    g = -features.T @ (targets - features @ theta0)
+    perturbed = theta0 + rho * g / g.norm()
+    grad = theta0 - features.T @ (targets - features @ perturbed)  # prior N(0, I) at theta0, loss at perturbed
+    torch.testing.assert_close(guide.median()["theta"], theta0 - lr * grad, atol=1e-12, rtol=0)
+
+
+def test_no_grad_gives_the_same_density():
+    features, targets = regression_data()
+    sa_model = sharpness_aware(regression_model, 0.2)
+    pyro.set_rng_seed(3)
+    with_grad = poutine.trace(sa_model).get_trace(features, targets, subsample_size=5)
+    with torch.no_grad():
+        pyro.set_rng_seed(3)
+        without = poutine.trace(sa_model).get_trace(features, targets, subsample_size=5)
+    assert torch.equal(with_grad.nodes["data"]["value"], without.nodes["data"]["value"])
+    torch.testing.assert_close(factor_value(without), factor_value(with_grad).detach(), atol=1e-12, rtol=0)
+    assert not factor_value(without).requires_grad
+
+
+def test_predictive_on_the_transform_returns_the_model_at_theta():
+    torch.manual_seed(0)
+    model = BayesianMLP(4, 3, hidden=(6,), dropout=0.1)
+    x = torch.randn(10, 4)
+    guide = AutoNormal(model, init_loc_fn=init_to_network(model))
+    guide(x, torch.randint(0, 3, (10,)))
+    sa_model = sharpness_aware(model, 0.05)
+    model.train()
+    outputs = []
+    for m in (model, sa_model):
+        pyro.set_rng_seed(6)
+        outputs.append(Predictive(m, guide=guide, num_samples=3, return_sites=["logits", "obs"])(x))
+    torch.testing.assert_close(outputs[1]["logits"], outputs[0]["logits"], atol=0, rtol=0)
+    assert LOG_LIKELIHOOD_SITE not in poutine.trace(sa_model).get_trace(x).nodes  # no observation, no factor
+
+
+def test_module_wrapper():
+    model = BayesianMLP(4, 3, hidden=(6,))
+    sa_model = sharpness_aware(model, 0.1, adaptive=True)
+    assert isinstance(sa_model, SharpnessAwareModel)
+    assert "rho=0.1, adaptive=True" in repr(sa_model)
+    sa_model.eval()
+    assert not model.training
+
+
+@pytest.mark.parametrize("rho", [-1.0, float("nan"), float("-inf"), float("inf"), None])
+def test_bad_rho(rho):
+    with pytest.raises(ValueError, match="rho"):
+        sharpness_aware(regression_model, rho)
+
+
+def test_not_callable():
+    with pytest.raises(ValueError, match="model"):
+        sharpness_aware("model", 0.1)
+
+
+def test_no_latent_site():
+    def model(x):
+        pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match="no latent sample site"):
+        poutine.trace(sharpness_aware(model, 0.1)).get_trace(torch.tensor(0.5))
