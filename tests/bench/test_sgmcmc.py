@@ -22,9 +22,11 @@ def test_registrations():
     assert METHODS["csgld"].baseline == "sgld"
     assert METHODS["emcmc"].baseline == "sgld"
     assert "Entropy-MCMC" in METHODS["emcmc"].reference
+    assert METHODS["f_sgld"].baseline == "sgld"
+    assert "Flat Seeking" in METHODS["f_sgld"].reference
 
 
-@pytest.mark.parametrize("method", ["sgld", "csgld", "emcmc"])
+@pytest.mark.parametrize("method", ["sgld", "csgld", "emcmc", "f_sgld"])
 def test_sgmcmc_methods_learn_digits(method):
     record = run_one(method, "digits", 0, TINY)
     m = record.metrics
@@ -42,3 +44,10 @@ def test_options_reach_the_kernel():
     assert record.info == {"warmup_steps": 20, "thinning": 10}
     with pytest.raises(ValueError, match="burn_in"):
         run_one("sgld", "digits", 0, TINY.replace(options={"sgld": {"burn_in": 1.0}}))
+
+
+def test_f_sgld_radius_option_reaches_the_transform():
+    record = run_one("f_sgld", "digits", 0, TINY.replace(options={"f_sgld": {"rho": 0.1}}))
+    assert record.info["rho"] == 0.1
+    with pytest.raises(ValueError, match="rho"):
+        run_one("f_sgld", "digits", 0, TINY.replace(options={"f_sgld": {"rho": -1.0}}))
