@@ -15,10 +15,10 @@ Protocol, per dataset and seed (everything on bundled data, nothing downloaded):
 
    * ``map``: MAP, SGD (momentum 0.9, minibatches of 10) for T steps (the point of the SWAG run below);
    * ``sam``: MAP with the SAM step (rho 0.05, ascent on the likelihood only, global norm), T steps — *our own
-     baseline* written here with ``pyro_flat.ops.sam`` (pyro_flat's SAM optimiser is another issue);
+     baseline* written here with ``pyro_flat.ops.sam`` (the step of ``pyro_flat.optim.SAM``, on the latent values);
    * ``swag``: SWAG moments (mean, diagonal variance, last K = 5 deviations) of the MAP iterates collected every 10
-     steps over the second half of the run, sampled with scale 0.5 — an *inline moment collection* in this script
-     (``SwagMoments``), a stand-in for pyro_flat's SWAG collector (another issue);
+     steps over the second half of the run by ``pyro_flat.infer.autoguide.SWAGCollector`` (float64 moments),
+     sampled with scale 0.5;
    * ``vi``: mean-field VI, ``AutoNormal`` + ``Trace_ELBO``, Adam, 2T steps (the budget of SWAG + SA-BMA);
    * ``swag_vi``: the low-rank-plus-diagonal guide started at the SWAG Gaussian and trained with ``Trace_ELBO`` for
      T steps — SA-BMA with radius 0, the ablation that isolates the KL-ball perturbation;
@@ -63,6 +63,7 @@ from pyro_flat.bench import Posterior, RunConfig
 from pyro_flat.bench.runner import evaluate_posterior
 from pyro_flat.data import load_digits, load_mnist1d
 from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, KLBallELBO, latent_sites
+from pyro_flat.infer.autoguide import SWAGCollector
 from pyro_flat.nn import bayesian_transfer, init_to_network, latent_init_values
 from pyro_flat.ops.sam import sam_perturbation
 
@@ -98,40 +99,6 @@ def pretrain(net: nn.Module, data, epochs: int) -> float:
         return (net(data.x_test).argmax(-1) == data.y_test).float().mean().item()
 
 
-class SwagMoments:
-    """SWAG's moments of flat iterates: running mean, running second moment, last ``rank`` deviations.
-
-    An inline stand-in for pyro_flat's SWAG collector (developed in another issue): the interface
-    ``flat_mean() / flat_variance() / deviation_matrix()`` is what ``AutoLowRankPlusDiagonalNormal.from_swag`` reads.
-    The moments are accumulated in float64: in float32, ``E[theta^2] - E[theta]^2`` loses the variance of weights
-    that barely move, and a diagonal far below the factor makes the guide's covariance numerically singular.
-    """
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.count, self.dtype = rank, 0, None
-        self.mean = self.sq_mean = None
-        self.deviations: list[torch.Tensor] = []
-
-    def update(self, theta: torch.Tensor) -> None:
-        self.dtype = theta.dtype
-        theta = theta.detach().double()
-        if self.mean is None:
-            self.mean, self.sq_mean = torch.zeros_like(theta), torch.zeros_like(theta)
-        self.count += 1
-        self.mean += (theta - self.mean) / self.count
-        self.sq_mean += (theta.square() - self.sq_mean) / self.count
-        self.deviations = (self.deviations + [theta - self.mean])[-self.rank :]
-
-    def flat_mean(self) -> torch.Tensor:
-        return self.mean.to(self.dtype)
-
-    def flat_variance(self) -> torch.Tensor:
-        return (self.sq_mean - self.mean.square()).clamp(min=1e-30).to(self.dtype)
-
-    def deviation_matrix(self) -> torch.Tensor:
-        return torch.stack(self.deviations, dim=1).to(self.dtype)
-
-
 def _terms(model, theta, x, y, num_data):
     """(-log p(y | theta), -log p(theta)) with the latent sites fixed to ``theta``; the minibatch ``(x, y)`` is
     scaled to ``num_data`` examples by the model's plate."""
@@ -143,7 +110,7 @@ def _terms(model, theta, x, y, num_data):
     return nll, neg_prior
 
 
-def fit_point(model, data, steps: int, *, rho: float = 0.0, swag: SwagMoments | None = None) -> dict:
+def fit_point(model, data, steps: int, *, rho: float = 0.0, swag: SWAGCollector | None = None) -> dict:
     """MAP (``rho = 0``) or MAP with SAM's step (ascent on the likelihood only): SGD with momentum 0.9 and learning
     rate 3e-4 on the summed objective (0.015 per example), minibatches of ``BATCH``. With ``swag``, the iterates of the
     second half are collected once per epoch (flattened in the model's latent-site order)."""
@@ -168,7 +135,7 @@ def fit_point(model, data, steps: int, *, rho: float = 0.0, swag: SwagMoments | 
         (nll + neg_prior).backward()
         optim.step()
         if swag is not None and step >= steps // 2 and (step - steps // 2) % epoch == 0:
-            swag.update(torch.cat([v.reshape(-1) for v in theta.values()]))
+            swag.collect(theta)
     return {k: v.detach() for k, v in theta.items()}
 
 
@@ -211,7 +178,7 @@ def run_seed(dataset: str, seed: int, args) -> list[dict]:
     T = args.steps
     start = time.perf_counter()
     model = new_model()
-    swag = SwagMoments(rank=5)
+    swag = SWAGCollector(max_rank=5, dtype=torch.float64)
     point = fit_point(model, target, T, swag=swag)
     seconds = time.perf_counter() - start
     if args.sweep:  # only SA-BMA (Fisher direction), one run per radius, all from the same SWAG fit

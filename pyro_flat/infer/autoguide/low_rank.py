@@ -113,7 +113,10 @@ class AutoLowRankPlusDiagonalNormal(AutoLowRankMultivariateNormal):
 
         :param model: the Pyro model the SWAG iterates belong to.
         :param swag: any object with ``flat_mean()`` ``[P]``, ``flat_variance()`` ``[P]`` and ``deviation_matrix()``
-            ``[P, K]`` methods returning flat tensors in AutoContinuous order (e.g. a SWAG moment collector).
+            ``[P, K]`` methods returning flat tensors in AutoContinuous order, e.g. a
+            :class:`~pyro_flat.infer.autoguide.SWAGCollector` fed ``{site: value}`` dicts in the model's latent-site
+            order. If it has a ``values_dtype`` attribute (the collector's dtype of the collected values, when the
+            moments are accumulated in float64), the guide's parameters take that dtype.
         :param scale: SWAG's covariance scale :math:`c` (default 0.5).
         """
         needed = ("flat_mean", "flat_variance", "deviation_matrix")
@@ -123,7 +126,11 @@ class AutoLowRankPlusDiagonalNormal(AutoLowRankMultivariateNormal):
                 f"`swag` must provide flat_mean(), flat_variance() and deviation_matrix(); {type(swag).__name__} "
                 f"lacks {missing}"
             )
-        return cls.from_moments(model, swag.flat_mean(), swag.flat_variance(), swag.deviation_matrix(), scale=scale)
+        moments = (swag.flat_mean(), swag.flat_variance(), swag.deviation_matrix())
+        dtype = getattr(swag, "values_dtype", None)
+        if dtype is not None:
+            moments = tuple(m.to(dtype) for m in moments)
+        return cls.from_moments(model, *moments, scale=scale)
 
     def _setup_prototype(self, *args: object, **kwargs: object) -> None:
         super()._setup_prototype(*args, **kwargs)

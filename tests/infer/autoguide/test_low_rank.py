@@ -117,3 +117,36 @@ def test_trains_with_trace_elbo_and_predicts():
     assert samples["a"].shape == (7, 2, 2) and (samples["b"] > 0).all()
     quantiles = guide.quantiles([0.25, 0.75])
     assert (quantiles["b"][1] > quantiles["b"][0]).all()
+
+
+def test_from_swag_with_a_float64_swag_collector_keeps_the_model_dtype_and_trains_with_kl_ball_elbo():
+    from pyro_flat.infer import KLBallELBO
+    from pyro_flat.infer.autoguide import SWAGCollector
+
+    def real_model(x):  # float32 latents, both real-valued (SWAG's flat values are the unconstrained ones)
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        c = pyro.sample("c", dist.Normal(torch.tensor(0.0), 1.0))
+        pyro.sample("x", dist.Normal(w.sum() + c, 1.0).expand([len(x)]).to_event(1), obs=x)
+
+    generator = torch.Generator().manual_seed(0)
+    iterates = [
+        {"w": torch.randn(3, generator=generator), "c": torch.randn((), generator=generator)}
+        for _ in range(6)
+    ]
+    iterates = [{k: v.float() for k, v in it.items()} for it in iterates]
+    swag = SWAGCollector(max_rank=3, dtype=torch.float64)
+    for it in iterates:
+        swag.collect(it)
+    guide = AutoLowRankPlusDiagonalNormal.from_swag(real_model, swag, scale=0.5)
+    x = torch.ones(4, dtype=torch.float32)
+    guide(x)
+    loc, scale, factor = _params(guide)
+    assert loc.dtype == scale.dtype == factor.dtype == torch.float32
+    flat = torch.stack([torch.cat([it["w"], it["c"].reshape(1)]) for it in iterates]).double()  # trace order
+    torch.testing.assert_close(loc, flat.mean(0).float())
+    dev = swag.deviation_matrix()  # K = 3 columns: SWAG covariance c (diag + D D^T / (K - 1))
+    expected = 0.5 * (torch.diag(swag.flat_variance()) + dev @ dev.T / 2)
+    torch.testing.assert_close(_covariance(scale.double(), factor.double()), expected, rtol=1e-5, atol=1e-6)
+    svi = SVI(real_model, guide, pyro.optim.Adam({"lr": 1e-2}), KLBallELBO(0.1))
+    assert math.isfinite(svi.step(x))
+    assert pyro.param(f"{guide._pyro_name}.loc").dtype == torch.float32
