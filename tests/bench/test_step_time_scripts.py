@@ -1,0 +1,32 @@
+"""The SVI step-time benchmarks of ``benchmarks/`` run end to end at a tiny size (their timings are not checked)."""
+
+import importlib.util
+from pathlib import Path
+
+import pyro
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def _float32_and_threads(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their shared module `_svi_timing`
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    pyro.enable_validation(True)
+
+
+@pytest.mark.parametrize("name", ["sharpness_aware_elbo", "kl_ball_elbo"])
+def test_step_time_script_runs_and_writes_its_table(name, tmp_path):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / f"{name}.md"
+    module.main(["--repeats", "1", "--steps", "1", "--out", str(out)])
+    text = out.read_text()
+    assert "| ratio | value | target |" in text and "torch BBB" in text
+    assert "nan" not in text.lower()
