@@ -80,12 +80,62 @@ def _tensor_loader(
     return DataLoader(dataset, batch_size=None, sampler=BatchSampler(sampler, batch_size, drop_last))
 
 
+class _InMemoryData:
+    """What every in-memory dataset offers: ``x_train``/``y_train``/``x_test``/``y_test`` tensors on one device."""
+
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+
+    @property
+    def num_data(self) -> int:
+        """The number of training examples :math:`N` (the likelihood scale for ``pyro.plate``)."""
+        return len(self.x_train)
+
+    @property
+    def input_shape(self) -> torch.Size:
+        """The shape of one input, ``x_train.shape[1:]``."""
+        return self.x_train.shape[1:]
+
+    @property
+    def device(self) -> torch.device:
+        """The device all tensors live on."""
+        return self.x_train.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The floating dtype of the inputs."""
+        return self.x_train.dtype
+
+    def train_loader(
+        self, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+    ) -> DataLoader:
+        """A loader over ``(x_train, y_train)`` yielding ``[x, y]`` batches on the data's device.
+
+        :param int batch_size: the batch size ``B``.
+        :param bool shuffle: draw a new random order every epoch (from a generator seeded with ``seed``).
+        :param int seed: the seed of the shuffling generator; the same seed gives the same sequence of batches.
+        :param bool drop_last: drop the last incomplete batch.
+        """
+        _check_positive_int(f"{type(self).__name__}.train_loader", "batch_size", batch_size)
+        return _tensor_loader((self.x_train, self.y_train), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    def test_loader(self, batch_size: int) -> DataLoader:
+        """A loader over ``(x_test, y_test)`` in order, keeping the last incomplete batch.
+
+        :param int batch_size: the batch size.
+        """
+        _check_positive_int(f"{type(self).__name__}.test_loader", "batch_size", batch_size)
+        return _tensor_loader((self.x_test, self.y_test), batch_size, shuffle=False, seed=0, drop_last=False)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # classification
 
 
 @dataclass(eq=False)
-class ClassificationData:
+class ClassificationData(_InMemoryData):
     """A classification dataset held in memory: train, test and (optionally) out-of-distribution inputs.
 
     :param str name: a short name (e.g. ``"digits"``), used in tables and logs.
@@ -145,26 +195,6 @@ class ClassificationData:
                 f"expected labels in [0, num_classes={self.num_classes})"
             )
 
-    @property
-    def num_data(self) -> int:
-        """The number of training examples :math:`N` (the likelihood scale for ``pyro.plate``)."""
-        return len(self.x_train)
-
-    @property
-    def input_shape(self) -> torch.Size:
-        """The shape of one input, ``x_train.shape[1:]``."""
-        return self.x_train.shape[1:]
-
-    @property
-    def device(self) -> torch.device:
-        """The device all tensors live on."""
-        return self.x_train.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The floating dtype of the inputs."""
-        return self.x_train.dtype
-
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ClassificationData:
         """A copy on ``device`` with inputs cast to ``dtype`` (labels stay ``int64``); ``None`` keeps the current one.
 
@@ -182,27 +212,6 @@ class ClassificationData:
             num_classes=self.num_classes,
             x_ood=None if self.x_ood is None else self.x_ood.to(device=device, dtype=dtype),
         )
-
-    def train_loader(
-        self, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
-    ) -> DataLoader:
-        """A loader over ``(x_train, y_train)`` yielding ``[x, y]`` batches on the data's device.
-
-        :param int batch_size: the batch size ``B``.
-        :param bool shuffle: draw a new random order every epoch (from a generator seeded with ``seed``).
-        :param int seed: the seed of the shuffling generator; the same seed gives the same sequence of batches.
-        :param bool drop_last: drop the last incomplete batch.
-        """
-        _check_positive_int("ClassificationData.train_loader", "batch_size", batch_size)
-        return _tensor_loader((self.x_train, self.y_train), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
-
-    def test_loader(self, batch_size: int) -> DataLoader:
-        """A loader over ``(x_test, y_test)`` in order, keeping the last incomplete batch.
-
-        :param int batch_size: the batch size.
-        """
-        _check_positive_int("ClassificationData.test_loader", "batch_size", batch_size)
-        return _tensor_loader((self.x_test, self.y_test), batch_size, shuffle=False, seed=0, drop_last=False)
 
     def subset(
         self, num_train: int | None = None, classes: Sequence[int] | None = None, seed: int = 0
@@ -287,7 +296,7 @@ class ClassificationData:
 
 
 @dataclass(eq=False)
-class RegressionData:
+class RegressionData(_InMemoryData):
     """A regression dataset held in memory.
 
     :param str name: a short name.
@@ -332,26 +341,6 @@ class RegressionData:
         named = {"x_train": self.x_train, "y_train": self.y_train, "x_test": self.x_test, "y_test": self.y_test}
         _check_consistent(owner, named)
 
-    @property
-    def num_data(self) -> int:
-        """The number of training examples :math:`N` (the likelihood scale for ``pyro.plate``)."""
-        return len(self.x_train)
-
-    @property
-    def input_shape(self) -> torch.Size:
-        """The shape of one input, ``x_train.shape[1:]``."""
-        return self.x_train.shape[1:]
-
-    @property
-    def device(self) -> torch.device:
-        """The device all tensors live on."""
-        return self.x_train.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The floating dtype of inputs and targets."""
-        return self.x_train.dtype
-
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> RegressionData:
         """A copy on ``device`` with all tensors cast to ``dtype``; ``None`` keeps the current one.
 
@@ -365,23 +354,3 @@ class RegressionData:
             *(t.to(device=device, dtype=dtype) for t in (self.x_train, self.y_train, self.x_test, self.y_test)),
         )
 
-    def train_loader(
-        self, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
-    ) -> DataLoader:
-        """A loader over ``(x_train, y_train)``; see :meth:`ClassificationData.train_loader`.
-
-        :param int batch_size: the batch size ``B``.
-        :param bool shuffle: draw a new random order every epoch (from a generator seeded with ``seed``).
-        :param int seed: the seed of the shuffling generator.
-        :param bool drop_last: drop the last incomplete batch.
-        """
-        _check_positive_int("RegressionData.train_loader", "batch_size", batch_size)
-        return _tensor_loader((self.x_train, self.y_train), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
-
-    def test_loader(self, batch_size: int) -> DataLoader:
-        """A loader over ``(x_test, y_test)`` in order.
-
-        :param int batch_size: the batch size.
-        """
-        _check_positive_int("RegressionData.test_loader", "batch_size", batch_size)
-        return _tensor_loader((self.x_test, self.y_test), batch_size, shuffle=False, seed=0, drop_last=False)
