@@ -148,3 +148,45 @@ def test_bad_closure_and_base():
         opt.step([])
     with pytest.raises(ValueError, match="base_optimizer"):
         SAM([torch.zeros(2, requires_grad=True)], "sgd")
+
+
+def test_sam_on_an_autodelta_equals_svi_on_the_sharpness_aware_model_when_the_prior_is_flat():
+    # The harness's two SAMs: `sam_torch` (this optimizer on AutoDelta, closure = Trace_ELBO) ascends on the whole
+    # loss, `sam` (SVI on sharpness_aware(model) with AutoDelta) on the likelihood only. With the prior masked out the
+    # losses coincide, so k Adam steps of both must give the same point (only the summation order differs).
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoDelta
+    from pyro.infer.autoguide.initialization import init_to_value
+
+    from pyro_flat.transforms import sharpness_aware
+
+    generator = torch.Generator().manual_seed(0)
+    x, w_true = torch.randn(20, 3, generator=generator), torch.tensor([1.0, -2.0, 0.5])
+    y = x @ w_true + 0.1 * torch.randn(20, generator=generator)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1).mask(False))  # flat prior
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(x @ w, 0.5), obs=y)
+
+    def init():  # a fresh tensor per guide: AutoDelta trains the init_to_value tensor in place
+        return init_to_value(values={"w": torch.zeros(3)})
+
+    rho, lr, steps = 0.1, 0.05, 5
+    pyro.clear_param_store()
+    guide_svi = AutoDelta(model, init_loc_fn=init())
+    svi = SVI(sharpness_aware(model, rho), guide_svi, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
+    for _ in range(steps):
+        svi.step(x, y)
+    via_svi = guide_svi.median()["w"].detach().clone()
+
+    pyro.clear_param_store()
+    guide = AutoDelta(model, init_loc_fn=init())
+    guide(x, y)
+    optimizer = SAM(guide.parameters(), torch.optim.Adam, rho=rho, lr=lr)
+    elbo = Trace_ELBO()
+    for _ in range(steps):
+        optimizer.step(lambda: elbo.differentiable_loss(model, guide, x, y).backward())
+    via_optimizer = guide.median()["w"].detach()
+    torch.testing.assert_close(via_optimizer, via_svi, rtol=1e-10, atol=1e-12)
+    assert (via_svi - torch.zeros(3)).abs().min() > 0.1  # both moved: the comparison is not vacuous
