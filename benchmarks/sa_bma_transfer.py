@@ -19,6 +19,8 @@ Protocol, per dataset and seed (everything on bundled data, nothing downloaded):
    * ``swag``: SWAG moments (mean, diagonal variance, last K = 5 deviations) of the MAP iterates collected every 10
      steps over the second half of the run by ``pyro_flat.infer.autoguide.SWAGCollector`` (float64 moments),
      sampled with scale 0.5;
+   * ``f_swag``: F-SWAG, the same SWAG collection from the ``sam`` iterates (run and evaluated last, so that adding
+     it leaves the random streams of the other methods unchanged);
    * ``vi``: mean-field VI, ``AutoNormal`` + ``Trace_ELBO``, Adam, 2T steps (the budget of SWAG + SA-BMA);
    * ``swag_vi``: the low-rank-plus-diagonal guide started at the SWAG Gaussian and trained with ``Trace_ELBO`` for
      T steps — SA-BMA with radius 0, the ablation that isolates the KL-ball perturbation;
@@ -70,7 +72,7 @@ from pyro_flat.ops.sam import sam_perturbation
 SOURCE, TARGET = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)
 LOADERS = {"digits": load_digits, "mnist1d": load_mnist1d}
 BATCH = 10  # minibatch of the SGD runs (MAP, SAM, SWAG): SWAG needs gradient noise
-METHODS = ("map", "sam", "swag", "vi", "swag_vi", "sa_bma", "sa_bma_score", "sa_bma_code", "nll_only")
+METHODS = ("map", "sam", "swag", "f_swag", "vi", "swag_vi", "sa_bma", "sa_bma_score", "sa_bma_code", "nll_only")
 
 
 def source_network(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
@@ -196,9 +198,11 @@ def run_seed(dataset: str, seed: int, args) -> list[dict]:
     record("swag", Posterior.from_guide(model, swag_guide, 30), seconds)
 
     start = time.perf_counter()
-    model = new_model()
-    point = fit_point(model, target, T, rho=args.sam_rho)
-    record("sam", Posterior.from_points(model, [point]), time.perf_counter() - start)
+    sam_model = new_model()
+    sam_swag = SWAGCollector(max_rank=5, dtype=torch.float64)
+    point = fit_point(sam_model, target, T, rho=args.sam_rho, swag=sam_swag)
+    sam_seconds = time.perf_counter() - start
+    record("sam", Posterior.from_points(sam_model, [point]), sam_seconds)
 
     start = time.perf_counter()
     model = new_model()
@@ -216,6 +220,11 @@ def run_seed(dataset: str, seed: int, args) -> list[dict]:
         guide = AutoLowRankPlusDiagonalNormal.from_swag(model, swag, scale=0.5)
         fit_svi(model, guide, loss, target, T, args.lr)
         record(method, Posterior.from_guide(model, guide, 30), seconds + time.perf_counter() - start)
+
+    pyro.clear_param_store()
+    f_swag_guide = AutoLowRankPlusDiagonalNormal.from_swag(sam_model, sam_swag, scale=0.5)
+    f_swag_guide(target.x_train, target.y_train)
+    record("f_swag", Posterior.from_guide(sam_model, f_swag_guide, 30), sam_seconds)
     return records
 
 
