@@ -35,6 +35,7 @@ from pyro_flat.infer import (
     SharpnessAwareELBO,
     SharpnessAwareMeanFieldELBO,
     SWAGCollector,
+    bma_predict,
     guide_draws,
     predict_logits,
 )
@@ -281,6 +282,54 @@ def test_collectors_and_streaming_bma_make_no_host_sync():
             hook(kernel, kernel.initial_params, "Sample", 0)
         list(guide_draws(guide, 3, x[:2], y[:2]))
     assert syncs.count == 0, syncs.report()
+
+
+def test_posterior_guides_sample_without_host_sync():
+    pyro.enable_validation(False)
+    x, y = _data()
+    model = _model()
+    guide = AutoNormal(model)
+    guide(x[:2], y[:2])
+    swag, hwa = SWAGCollector(3), HWA(guide, max_rank=3)
+    for draw in guide_draws(guide, 4, x[:2], y[:2]):
+        swag.collect(draw)
+        hwa.collect()
+    guides = {
+        "AutoSWAG": swag.guide(model),
+        "AutoSWAG-diagonal": swag.guide(model, diagonal_only=True),
+        "AutoLowRankPlusDiagonalNormal.from_swag": AutoLowRankPlusDiagonalNormal.from_swag(model, swag),
+        "HWA.averaged_guide": hwa.averaged_guide(model),
+    }
+    for name, posterior in guides.items():
+        next(guide_draws(posterior, 1, x[:2], y[:2]))  # sets the guide up
+        with HostSyncCounter() as syncs:
+            bma_predict(model, guide_draws(posterior, 3, x[:2], y[:2]), x)
+        assert syncs.count == 0, f"{name}:\n{syncs.report()}"
+
+
+def _held_bytes(obj: object) -> int:
+    """Bytes of the tensors an accumulator holds (its attributes, one level of containers deep)."""
+    return sum(t.numel() * t.element_size() for t in _floating(vars(obj)) + [
+        v for v in vars(obj).values() if isinstance(v, torch.Tensor) and not v.is_floating_point()
+    ]) + sum(_held_bytes(v) for v in vars(obj).values() if hasattr(v, "__dict__") and type(v).__module__.startswith(
+        "pyro_flat"))
+
+
+def test_streaming_accumulators_hold_bounded_memory():
+    # SWAG keeps K deviations whatever the number of draws; the streaming BMA keeps O(N C); DrawHook keeps nothing
+    rank, size = 3, 50
+    swag, bma = SWAGCollector(rank), StreamingBMA()
+    hook = DrawHook(lambda draw: bma.update(draw["w"]))
+    kernel = SGLD(potential_fn=lambda p: (p["w"] ** 2).sum(), step_size=0.1)
+    held = []
+    for k in range(1, 41):
+        swag.collect({"w": torch.randn(size)})
+        hook(kernel, {"w": torch.randn(7, 3)}, "Sample", k)
+        if k in (rank, 40):
+            held.append((_held_bytes(swag), _held_bytes(bma), _held_bytes(hook)))
+    assert held[0] == held[1]
+    assert held[1][0] == (2 + rank) * size * 8  # mean, mean of squares, K deviation rows (float64)
+    assert swag.num_collected == 40 and bma.num_samples == 40 and hook.num_draws == 40
 
 
 # ---------------------------------------------------------------------------------------------------------------------
