@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 
 import pyro
@@ -20,6 +21,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyro_flat import sharpness_aware
@@ -444,6 +446,85 @@ def test_collectors_keep_the_values_dtype(model_dtype):
             bma.update(torch.randn(5, 3, dtype=model_dtype))
     assert not mixing.mixed, mixing.mixed[:5]
     assert {swag.flat_mean().dtype, swag.deviation_matrix().dtype, bma.log_probs.dtype} == {model_dtype}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# no tensor made by pyro_flat on the default device (a factory without device=, e.g. torch.zeros(n), lands on the CPU
+# when the model is on a GPU)
+
+_FACTORIES = {
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.randn, torch.rand, torch.randint,
+    torch.randperm, torch.tensor, torch.as_tensor, torch.linspace, torch.logspace, torch.eye, torch.scalar_tensor,
+}
+
+
+class _FactoriesWithoutDevice(TorchFunctionMode):
+    """Records tensor factories called from pyro_flat's code without ``device=`` (``as_tensor`` of a tensor keeps
+    its device and is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None and not (
+            func is torch.as_tensor and args and isinstance(args[0], torch.Tensor)
+        ):
+            frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/torch/" not in f.filename), None)
+            if frame is not None and "/pyro_flat/" in frame.filename and "/tests/" not in frame.filename:
+                self.calls.append(f"torch.{func.__name__} at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}")
+        return func(*args, **kwargs)
+
+
+def test_factory_detector_sees_a_factory_without_device():
+    from pyro_flat.ops.tree import flatten
+
+    with _FactoriesWithoutDevice() as factories:
+        flatten([torch.ones(2)])  # pyro_flat code making no tensor from a factory
+        torch.zeros(3)  # test code: not counted
+    assert factories.calls == []
+    with _FactoriesWithoutDevice() as factories:
+        SWAGCollector(2).collect({"w": torch.ones(3)})  # allocates with device=first.device
+    assert factories.calls == []
+
+
+@pytest.mark.parametrize("family", ["objectives", "kernels", "optimizers", "collectors"])
+def test_no_tensor_is_made_on_the_default_device(family):
+    pyro.enable_validation(False)
+    steps: dict[str, Callable[[], object]] = {}
+    if family == "objectives":
+        for name, (make, guide_class, transform, _) in OBJECTIVES.items():
+            steps[name] = _svi_step(make(), guide_class, transform)
+    elif family == "kernels":
+        for name in KERNELS:
+            steps[name] = _kernel_chain(name, divergence_check_every=2)[1]
+    elif family == "optimizers":
+        for name, (make, _) in OPTIMIZERS.items():
+            steps[name] = _optimizer_step(make)
+    else:
+        x, y = _data()
+        model = _model()
+        guide = AutoNormal(model)
+        guide(x[:2], y[:2])
+        swag, hwa = SWAGCollector(2), HWA(guide, max_rank=2)
+
+        def collect() -> None:
+            draw = next(guide_draws(guide, 1, x[:2], y[:2]))
+            swag.collect(draw)
+            hwa.collect()
+
+        def predict() -> None:
+            bma_predict(model, guide_draws(swag.guide(model), 2, x[:2], y[:2]), x)
+            bma_predict(model, guide_draws(hwa.averaged_guide(model), 2, x[:2], y[:2]), x)
+
+        steps = {"collect": collect, "predict": predict}
+    for name, step in steps.items():
+        step()
+        with _FactoriesWithoutDevice() as factories:
+            for _ in range(3):
+                step()
+        assert not factories.calls, f"{name}: {sorted(set(factories.calls))}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
