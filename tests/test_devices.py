@@ -101,6 +101,9 @@ def test_host_sync_counter_ignores_device_side_work_and_same_device_moves():
         y.to(x.device)
         torch.randn(3, device=x.device).mul_(2)
     assert syncs.count == 0, syncs.report()
+    with syncs:  # re-entered: appends
+        x.sum().item()
+    assert syncs.count == 1
     syncs.reset()
     assert syncs.count == 0
     with pytest.raises(ValueError, match="expected depth to be an int >= 0"):
