@@ -19,8 +19,9 @@ def sum_tolerance(dtype: torch.dtype) -> float:
     return max(1e-6, torch.finfo(dtype).eps ** 0.5)
 
 
-def check_float(x: object, name: str, ndim: int, dims: str) -> Tensor:
-    """``x`` must be a finite floating-point tensor with ``ndim`` dimensions (described by ``dims``)."""
+def check_float(x: object, name: str, ndim: int, dims: str, *, finite: bool = True) -> Tensor:
+    """``x`` must be a floating-point tensor with ``ndim`` dimensions (described by ``dims``), and finite unless
+    ``finite=False`` (the finiteness check reads a value on the host: a synchronisation on an accelerator)."""
     if not isinstance(x, Tensor):
         raise ValueError(f"`{name}` must be a tensor of shape {dims}, got {type(x).__name__}")
     if x.ndim != ndim:
@@ -29,7 +30,7 @@ def check_float(x: object, name: str, ndim: int, dims: str) -> Tensor:
         raise ValueError(f"`{name}` must be a floating-point tensor, got dtype {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"`{name}` must not be empty, got shape {tuple(x.shape)}")
-    if not bool(torch.isfinite(x).all()):
+    if finite and not bool(torch.isfinite(x).all()):
         raise ValueError(f"`{name}` must be finite, got NaN or Inf values")
     return x
 

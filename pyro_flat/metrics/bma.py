@@ -58,6 +58,9 @@ class StreamingBMA:
     and nothing else, whatever :math:`S`. Logits are detached; the state keeps the dtype and device of the first
     update (later updates must match, so a float32 stream never silently upcasts).
 
+    :meth:`update` makes no host synchronisation: whether the logits are finite is recorded on their device, and a
+    NaN or infinite logit raises a ``ValueError`` (naming the first such update) when the results are read.
+
     Example::
 
         bma = StreamingBMA()
@@ -74,6 +77,8 @@ class StreamingBMA:
         self._num_samples = 0
         self._log_sum_probs: Tensor | None = None  # logsumexp_s log softmax(f_s), [N, C]
         self._sum_entropy: Tensor | None = None  # sum_s H[p_s], [N]
+        self._num_updates = 0
+        self._first_nonfinite: Tensor | None = None  # index of the first update with a non-finite logit, or -1
 
     @torch.no_grad()
     def update(self, logits: Tensor) -> StreamingBMA:
@@ -83,7 +88,7 @@ class StreamingBMA:
         """
         if isinstance(logits, Tensor) and logits.ndim == 2:
             logits = logits.unsqueeze(0)
-        logits = check_float(logits, "logits", 3, "[N, C] or [s, N, C]").detach()
+        logits = check_float(logits, "logits", 3, "[N, C] or [s, N, C]", finite=False).detach()
         if self._log_sum_probs is not None:
             expected = self._log_sum_probs
             if logits.shape[1:] != expected.shape:
@@ -99,6 +104,12 @@ class StreamingBMA:
         log_probs = torch.log_softmax(logits, dim=-1)
         log_sum = torch.logsumexp(log_probs, dim=0)
         sum_entropy = -(log_probs.exp() * log_probs).sum(dim=(0, 2))
+        finite = torch.isfinite(logits).all()
+        if self._first_nonfinite is None:
+            self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=logits.device)
+        self._first_nonfinite = torch.where(~finite & (self._first_nonfinite < 0), self._num_updates,
+                                            self._first_nonfinite)
+        self._num_updates += 1
         if self._log_sum_probs is None:
             self._log_sum_probs, self._sum_entropy = log_sum, sum_entropy
         else:
@@ -110,6 +121,12 @@ class StreamingBMA:
     def _require_samples(self) -> None:
         if self._num_samples == 0:
             raise ValueError("StreamingBMA holds no samples yet: call update(logits) first")
+        first = int(self._first_nonfinite)
+        if first >= 0:
+            raise ValueError(
+                f"`logits` must be finite: update {first} (counted from 0) had NaN or Inf values, so the average is "
+                "undefined; call reset() and check the model or the posterior draws"
+            )
 
     @property
     def num_samples(self) -> int:

@@ -84,7 +84,7 @@ def test_streaming_memory_does_not_grow_with_samples():
     size = _state_numel(acc)
     for s in range(1, 100):
         acc.update(logits[s])
-    assert _state_numel(acc) == size == 7 * 3 + 7
+    assert _state_numel(acc) == size == 7 * 3 + 7 + 1  # log-sum [N, C], entropy sum [N], first non-finite update
 
 
 def test_streaming_reset_dtype_and_detach():
@@ -105,11 +105,21 @@ def test_streaming_validation_errors():
         _ = acc.probs
     with pytest.raises(ValueError, match=r"`logits` must have shape \[N, C\] or \[s, N, C\], got shape \(3,\)"):
         acc.update(torch.randn(3))
-    with pytest.raises(ValueError, match="`logits` must be finite"):
-        acc.update(torch.tensor([[0.0, float("nan")]]))
     acc.update(torch.randn(5, 3))
     with pytest.raises(ValueError, match=r"`logits` must have shape \[N, C\] = \[5, 3\]"):
         acc.update(torch.randn(2, 4, 3))
+
+
+def test_streaming_non_finite_logits_raise_when_read_naming_the_update():
+    # update() records finiteness on the device (no host sync); reading the results raises
+    acc = StreamingBMA().update(torch.randn(2, 3)).update(torch.tensor([[0.0, float("nan"), 1.0]] * 2))
+    acc.update(torch.randn(2, 3))
+    for read in ("log_probs", "probs", "mean_entropy", "mutual_information"):
+        with pytest.raises(ValueError, match=r"`logits` must be finite: update 1 \(counted from 0\)"):
+            getattr(acc, read)
+    acc.reset()
+    acc.update(torch.randn(2, 3))
+    assert bool(torch.isfinite(acc.log_probs).all())
 
 
 def test_bma_validation_errors():

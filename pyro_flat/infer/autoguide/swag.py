@@ -489,11 +489,12 @@ class AutoSWAG(AutoContinuous):
         for name, shape in self._collected_shapes.items():
             offsets[name] = pos
             pos += math.prod(shape)
-        index = torch.cat(
-            [torch.arange(offsets[n], offsets[n] + math.prod(s)) for n, s in model_shapes.items()]
-        ).to(self.swag_mean.device)
-        identity = bool((index == torch.arange(len(index), device=index.device)).all())
-        self._order = None if identity else index
+        # the model's order equals the collector's iff the sites come in the same order (their shapes match)
+        identity = list(model_shapes) == list(self._collected_shapes)
+        device = self.swag_mean.device
+        self._order = None if identity else torch.cat(
+            [torch.arange(offsets[n], offsets[n] + math.prod(s), device=device) for n, s in model_shapes.items()]
+        )
 
     def _ordered(self, t: Tensor) -> Tensor:
         return t if self._order is None else t[self._order.to(t.device)]

@@ -30,9 +30,9 @@ step. ``MCMC`` keeps every draw; to keep none, stream them (:class:`~pyro_flat.i
 **Divergence.** Each gradient step records, on the device and without a host synchronisation, whether each site's
 new value and the potential are finite, and the first step at which one was not. The record is read every
 ``divergence_check_every`` steps, in :meth:`diagnostics` and by :meth:`check_divergence`; a non-finite value raises a
-``FloatingPointError`` naming the (exact) first step and the site. Reading the record is the only host
-synchronisation of the hot loop; the progress bar shows the step size (a Python number) and the potential energy read
-at the last check.
+``FloatingPointError`` naming the (exact) first step and the site. Reading the record (one host read per check) is
+the only host synchronisation of the hot loop; the progress bar shows the step size (a Python number) and the
+potential energy read at the last check.
 
 JIT compilation is not offered: ``torch.jit.trace`` would freeze the subsample indices of the traced step.
 """
@@ -417,14 +417,25 @@ class StochasticGradientKernel(MCMCKernel):
             self.check_divergence()
 
     def check_divergence(self) -> None:
-        """Read the divergence record (one host synchronisation).
+        """Read the divergence record (one host synchronisation; a second one only to name a divergence).
 
         :raises FloatingPointError: naming the first gradient step (counted from 0, warm-up included) at which a
             site or the potential energy became NaN or infinite, and which.
         """
         state = self._state
+        # one read: [any non-finite value recorded, the last potential (for the progress bar: float32 is enough)]
+        summary = []
+        if state.first_bad:
+            summary.append(torch.stack([(first >= 0).any() for first in state.first_bad.values()]).any().float())
         if state.last_potential is not None:
-            state.potential = float(state.last_potential)
+            summary.append(state.last_potential.detach().float().reshape(()))
+        if not summary:
+            return
+        values = torch.stack(summary).tolist()
+        if state.last_potential is not None:
+            state.potential = values[-1]
+        if not state.first_bad or values[0] == 0:
+            return
         worst: tuple[int, list[str]] | None = None
         for key, first in state.first_bad.items():
             if bool((first >= 0).any()):

@@ -1,0 +1,170 @@
+r"""Test utilities for device-agnostic code: count the host synchronisations of a block of code on a CPU-only machine.
+
+A *host synchronisation* makes the Python thread wait until the accelerator has finished its queued work, which
+stalls a GPU pipeline when it happens at every step. ``torch.cuda.set_sync_debug_mode("error")`` detects them, but
+only when a GPU is present. :class:`HostSyncCounter` detects the same calls on any device, including the CPU, so a
+CPU-only CI can assert that a training step adds none:
+
+* a tensor read as a Python number: ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``if t:``, ``f"{t:.3f}"``,
+  ``math.isfinite(t)``; all of these dispatch ``aten._local_scalar_dense``;
+* an explicit copy to the host: ``.cpu()``, ``.tolist()``, ``.numpy()``, ``.to("cpu")`` (on a CPU tensor these are
+  no-ops that the dispatcher never sees, so they are counted by name at the Python API), and ``.to(device)`` from
+  a non-CPU tensor (e.g. on the ``meta`` device) to the CPU;
+* operations whose output shape depends on the data, which CUDA must synchronise to allocate the output:
+  ``nonzero``, boolean-mask indexing ``t[mask]``, ``masked_select``, ``unique``.
+
+Example::
+
+    with HostSyncCounter() as syncs:
+        for _ in range(5):
+            optimizer.step(closure)
+    assert syncs.count == 0, syncs.report()
+
+Why a module of the package (not a test helper): users who write their own objective, kernel or training loop on
+top of pyro_flat need the same check in their CPU-only CI, and it depends on torch only.
+
+.. note:: On a CPU-only machine every tensor is on the host, so the counter cannot tell a scalar read of a tensor
+    that lives on the host by design (``torch.optim.Adam``'s ``step`` counter, free on a GPU) from one of a device
+    tensor: compare against a baseline that makes the same reads (e.g. ``Trace_ELBO`` and ``Adam``).
+
+.. note:: The counter sees what runs in the current thread through the torch dispatcher and ``Tensor`` methods. It
+    does not see ``torch.cuda.synchronize()``, host copies made by C++ extensions, or the synchronisation implied
+    by printing a CUDA tensor's data without formatting it through Python.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostSync", "HostSyncCounter"]
+
+_SCALAR_READ = torch.ops.aten._local_scalar_dense.default
+_DATA_DEPENDENT_SHAPE = {
+    torch.ops.aten.nonzero.default: "nonzero",
+    torch.ops.aten.masked_select.default: "masked_select",
+    torch.ops.aten._unique2.default: "unique",
+    torch.ops.aten.unique_dim.default: "unique",
+    torch.ops.aten.unique_consecutive.default: "unique_consecutive",
+}
+_HOST_COPY_METHODS = {"cpu", "tolist", "numpy"}
+
+
+@dataclass(frozen=True)
+class HostSync:
+    """One host synchronisation: what caused it and where (the innermost frames outside torch).
+
+    :param str kind: ``"scalar read"``, ``"host copy (.name)"`` or ``"data-dependent shape (op)"``.
+    :param str where: ``file:line in function`` of the innermost frames of the caller's code.
+    """
+
+    kind: str
+    where: str
+
+
+def _caller(depth: int) -> str:
+    frames = [
+        f for f in traceback.extract_stack()[:-2]
+        if "/torch/" not in f.filename and not f.filename.endswith("/pyro_flat/testing.py")
+    ]
+    return " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} in {f.name}" for f in reversed(frames[-depth:]))
+
+
+def _copies_to_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``tensor.to(...)`` moves a tensor off an accelerator to the host, or names the host literally
+    (``.to("cpu")``: a hard-coded host device, a copy on any accelerator). ``.to(device=other.device)`` is not."""
+    targets = [a for a in args[1:] if isinstance(a, (str, torch.device))] + [kwargs.get("device")]
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    for target in targets:
+        if isinstance(target, str) and target.split(":")[0] == "cpu":
+            return True
+        if isinstance(target, torch.device) and target.type == "cpu" and source is not None:
+            if source.device.type != "cpu":
+                return True
+    return False
+
+
+class _FunctionLevel(TorchFunctionMode):
+    def __init__(self, owner: HostSyncCounter) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:  # noqa: ANN401
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _HOST_COPY_METHODS or (name == "to" and _copies_to_host(args, kwargs)):
+            self.owner._add(f"host copy (.{name})")
+        return func(*args, **kwargs)
+
+
+class _DispatchLevel(TorchDispatchMode):
+    def __init__(self, owner: HostSyncCounter) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:  # noqa: ANN401
+        kwargs = kwargs or {}
+        if func is _SCALAR_READ:
+            self.owner._add("scalar read")
+        elif func in _DATA_DEPENDENT_SHAPE:
+            self.owner._add(f"data-dependent shape ({_DATA_DEPENDENT_SHAPE[func]})")
+        elif func is torch.ops.aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+        ):
+            self.owner._add("data-dependent shape (boolean-mask index)")
+        return func(*args, **kwargs)
+
+
+class HostSyncCounter:
+    r"""A context manager that records every host synchronisation made inside it (see the module docstring).
+
+    :param int depth: how many caller frames (outside torch) to keep per synchronisation in :attr:`syncs`
+        (default 3); ``0`` keeps none and is faster.
+    :raises ValueError: for a negative ``depth``.
+
+    Attributes: :attr:`syncs` (a list of :class:`HostSync`), :attr:`count`; :meth:`report` formats them.
+    Counters can be re-entered; each ``with`` block appends to the same list, and :meth:`reset` clears it.
+    """
+
+    def __init__(self, depth: int = 3) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"HostSyncCounter: expected depth to be an int >= 0, got {depth!r}")
+        self.depth = depth
+        self.syncs: list[HostSync] = []
+        self._modes: list[tuple[_FunctionLevel, _DispatchLevel]] = []
+
+    @property
+    def count(self) -> int:
+        """The number of host synchronisations recorded."""
+        return len(self.syncs)
+
+    def reset(self) -> None:
+        """Forget the recorded synchronisations."""
+        self.syncs.clear()
+
+    def report(self) -> str:
+        """A summary: each distinct (kind, place) with its number of occurrences."""
+        counts = Counter(self.syncs)
+        lines = [f"{n} x {s.kind} at {s.where}" for s, n in counts.most_common()]
+        return f"{self.count} host synchronisation(s)" + ("".join(f"\n  {line}" for line in lines))
+
+    def _add(self, kind: str) -> None:
+        self.syncs.append(HostSync(kind, _caller(self.depth) if self.depth else ""))
+
+    def __enter__(self) -> HostSyncCounter:
+        modes = (_FunctionLevel(self), _DispatchLevel(self))
+        modes[0].__enter__()
+        modes[1].__enter__()
+        self._modes.append(modes)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        function_level, dispatch_level = self._modes.pop()
+        dispatch_level.__exit__(*exc)
+        function_level.__exit__(*exc)
