@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import Transform
 
+from ..distributed import all_reduce_mean, check_distributed
 from ..infer.util import is_latent_site, is_subsample_site
 from ..ops.sam import check_radius, sam_perturbation
 
@@ -192,13 +193,12 @@ def _frozen_batchnorm(modules: Sequence[nn.modules.batchnorm._BatchNorm]) -> Ite
             m.track_running_stats = flag
 
 
-def check_options(rho: float, adaptive: bool, freeze_batchnorm: bool) -> float:
+def check_options(rho: float, adaptive: bool, freeze_batchnorm: bool, distributed: bool = False) -> float:
     """Validate the options of the sharpness-aware transform and ELBOs; returns ``rho`` as a float."""
     rho = check_radius(rho, "rho")
-    if not isinstance(adaptive, bool):
-        raise ValueError(f"`adaptive` must be a bool, got {adaptive!r}")
-    if not isinstance(freeze_batchnorm, bool):
-        raise ValueError(f"`freeze_batchnorm` must be a bool, got {freeze_batchnorm!r}")
+    for name, flag in (("adaptive", adaptive), ("freeze_batchnorm", freeze_batchnorm), ("distributed", distributed)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"`{name}` must be a bool, got {flag!r}")
     return rho
 
 
@@ -278,20 +278,37 @@ class SharpnessAwareModel(nn.Module):
     :param float rho: the SAM radius :math:`\rho\ge0`.
     :param bool adaptive: ASAM scaling of the ascent step.
     :param bool freeze_batchnorm: do not update BatchNorm running statistics in the extra passes.
+    :param bool distributed: average :math:`\hat g` over the ranks of ``process_group`` before its norm is taken
+        (see :mod:`pyro_flat.distributed`).
+    :param process_group: the :mod:`torch.distributed` group of ``distributed`` (default: the world).
     """
 
-    def __init__(self, model: Callable, rho: float, *, adaptive: bool = False, freeze_batchnorm: bool = True) -> None:
+    def __init__(
+        self,
+        model: Callable,
+        rho: float,
+        *,
+        adaptive: bool = False,
+        freeze_batchnorm: bool = True,
+        distributed: bool = False,
+        process_group: object | None = None,
+    ) -> None:
         super().__init__()
         if not callable(model):
             raise ValueError(f"`model` must be a callable Pyro model, got {type(model).__name__}")
         self.model = model
-        self.rho = check_options(rho, adaptive, freeze_batchnorm)
+        self.rho = check_options(rho, adaptive, freeze_batchnorm, distributed)
         self.adaptive = adaptive
         self.freeze_batchnorm = freeze_batchnorm
+        self.distributed = distributed
+        self.process_group = process_group
         self._batchnorm: list[nn.modules.batchnorm._BatchNorm] | None = None
 
     def extra_repr(self) -> str:
-        return f"rho={self.rho}, adaptive={self.adaptive}, freeze_batchnorm={self.freeze_batchnorm}"
+        return (
+            f"rho={self.rho}, adaptive={self.adaptive}, freeze_batchnorm={self.freeze_batchnorm}, "
+            f"distributed={self.distributed}"
+        )
 
     def _cuda_devices(self, args: tuple, kwargs: dict) -> list[torch.device]:
         if not torch.cuda.is_available():
@@ -408,6 +425,12 @@ class SharpnessAwareModel(nn.Module):
                     grads = torch.autograd.grad(-log_lik.sum(), deltas, allow_unused=True)
                 else:
                     grads = [None] * len(deltas)
+            if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
+                check_distributed("sharpness_aware")
+                grads = all_reduce_mean(
+                    [torch.zeros_like(d) if g is None else g for g, d in zip(grads, deltas, strict=True)],
+                    self.process_group,
+                )
             perturbed = self._perturbed_values(record, grads, frames)
             log_lik = self._replayed_log_likelihood(perturbed, record, start_state, frames, args, kwargs)
         finally:
@@ -417,7 +440,13 @@ class SharpnessAwareModel(nn.Module):
 
 
 def sharpness_aware(
-    model: Callable, rho: float = 0.05, *, adaptive: bool = False, freeze_batchnorm: bool = True
+    model: Callable,
+    rho: float = 0.05,
+    *,
+    adaptive: bool = False,
+    freeze_batchnorm: bool = True,
+    distributed: bool = False,
+    process_group: object | None = None,
 ) -> SharpnessAwareModel:
     r"""Transform a Pyro model into its sharpness-aware posterior model (Flat Seeking BNNs [1]).
 
@@ -463,6 +492,10 @@ def sharpness_aware(
     :param bool freeze_batchnorm: in the perturbed pass (and the extra gradient pass under ``no_grad``), BatchNorm
         layers of ``model`` (when it is an ``nn.Module``) use the batch statistics without updating their running
         statistics, as the F-BNN code's ``disable_running_stats`` does; default ``True``.
+    :param bool distributed: under :class:`~torch.nn.parallel.DistributedDataParallel`, average :math:`\hat g` over
+        the ranks (one ``all_reduce``) before its norm is taken, so that every rank perturbs by the ascent of the
+        combined batch (:mod:`pyro_flat.distributed`); default ``False``. Needs an initialised process group.
+    :param process_group: the process group of ``distributed`` (default ``None``: the world).
     :returns: the transformed model, a :class:`SharpnessAwareModel`.
     :raises ValueError: for a negative, NaN or infinite ``rho``; when called, for a model without latent sites or with
         a discrete latent site.
@@ -490,7 +523,10 @@ def sharpness_aware(
         [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
             Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
     """
-    return SharpnessAwareModel(model, rho, adaptive=adaptive, freeze_batchnorm=freeze_batchnorm)
+    return SharpnessAwareModel(
+        model, rho, adaptive=adaptive, freeze_batchnorm=freeze_batchnorm, distributed=distributed,
+        process_group=process_group,
+    )
 
 
 __all__ = ["LOG_LIKELIHOOD_SITE", "SharpnessAwareModel", "is_likelihood_site", "sharpness_aware"]

@@ -43,6 +43,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from torch import Tensor, nn
 from torch.distributions import transform_to
 
+from ...distributed import all_reduce_mean, check_distributed
 from ...ops.fisher import (
     diagonal_gaussian_inverse_fisher_product,
     kl_ball_step,
@@ -227,6 +228,11 @@ class KLBallELBO(Trace_ELBO):
     :param trace_elbo_kwargs: passed to :class:`~pyro.infer.Trace_ELBO` (``num_particles``, ``max_plate_nesting``,
         ``vectorize_particles``, ``retain_graph``). With ``vectorize_particles=True`` one perturbation is computed
         from the gradient summed over the vectorised particles; otherwise each particle has its own.
+    :param bool distributed: data-parallel training (:mod:`pyro_flat.distributed`): the data-term gradient :math:`g`
+        of the Fisher direction is averaged over the ranks before :math:`\delta^*` is formed, so every rank perturbs
+        by the ascent of the combined batch; default ``False``. (The normalised score does not depend on the data:
+        it is the same on every rank without communication.)
+    :param process_group: the process group of ``distributed`` (default ``None``: the world).
 
     Supported guides: :class:`~pyro.infer.autoguide.AutoNormal`, :class:`~pyro.infer.autoguide.AutoDiagonalNormal`
     and :class:`~pyro.infer.autoguide.AutoLowRankMultivariateNormal`, including its subclass
@@ -260,9 +266,19 @@ class KLBallELBO(Trace_ELBO):
     """
 
     def __init__(
-        self, radius: float, *, direction: str = "fisher", kl_weight: float = 1.0, **trace_elbo_kwargs: object
+        self,
+        radius: float,
+        *,
+        direction: str = "fisher",
+        kl_weight: float = 1.0,
+        distributed: bool = False,
+        process_group: object | None = None,
+        **trace_elbo_kwargs: object,
     ) -> None:
         self.radius = check_radius(radius, "radius")
+        if not isinstance(distributed, bool):
+            raise ValueError(f"`distributed` must be a bool, got {distributed!r}")
+        self.distributed, self.process_group = distributed, process_group
         if direction not in DIRECTIONS:
             raise ValueError(f"`direction` must be one of {DIRECTIONS}, got {direction!r}")
         if isinstance(kl_weight, bool) or not (isinstance(kl_weight, (int, float)) and 0 <= kl_weight < math.inf):
@@ -327,6 +343,9 @@ class KLBallELBO(Trace_ELBO):
         names = list(leaves)
         grads = torch.autograd.grad(first.data_term, [leaves[n] for n in names], retain_graph=True, allow_unused=True)
         grad = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads, strict=True)}
+        if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
+            check_distributed("KLBallELBO")
+            grad = dict(zip(names, all_reduce_mean([grad[n] for n in names], self.process_group), strict=True))
         if is_validation_enabled():
             for name in names:
                 if not bool(torch.isfinite(grad[name]).all()):

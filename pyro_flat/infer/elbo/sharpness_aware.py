@@ -49,17 +49,26 @@ class _SharpnessAware:
     """Shared by the two SA-ELBOs: runs every particle trace on the sharpness-aware transform of the model."""
 
     def __init__(
-        self, rho: float = 0.05, *, adaptive: bool = False, freeze_batchnorm: bool = True, **kwargs: object
+        self,
+        rho: float = 0.05,
+        *,
+        adaptive: bool = False,
+        freeze_batchnorm: bool = True,
+        distributed: bool = False,
+        process_group: object | None = None,
+        **kwargs: object,
     ) -> None:
-        self.rho = check_options(rho, adaptive, freeze_batchnorm)
+        self.rho = check_options(rho, adaptive, freeze_batchnorm, distributed)
         self.adaptive, self.freeze_batchnorm = adaptive, freeze_batchnorm
+        self.distributed, self.process_group = distributed, process_group
         self._transformed: tuple[Callable, SharpnessAwareModel] | None = None
         super().__init__(**kwargs)
 
     def _sharpness_aware(self, model: Callable) -> SharpnessAwareModel:
         if self._transformed is None or self._transformed[0] is not model:
             sa_model = SharpnessAwareModel(
-                model, self.rho, adaptive=self.adaptive, freeze_batchnorm=self.freeze_batchnorm
+                model, self.rho, adaptive=self.adaptive, freeze_batchnorm=self.freeze_batchnorm,
+                distributed=self.distributed, process_group=self.process_group,
             )
             self._transformed = (model, sa_model)
         return self._transformed[1]
@@ -104,6 +113,10 @@ class SharpnessAwareELBO(_SharpnessAware, Trace_ELBO):
         :math:`T_\theta=|\theta|`; default ``False``.
     :param bool freeze_batchnorm: BatchNorm running statistics are not updated by the perturbed pass (the F-BNN
         code's ``disable_running_stats``); default ``True``.
+    :param bool distributed: data-parallel training (:mod:`pyro_flat.distributed`): :math:`\hat g` is averaged over
+        the ranks before its norm is taken, so every rank perturbs by the ascent of the combined batch; default
+        ``False``.
+    :param process_group: the process group of ``distributed`` (default ``None``: the world).
     :param kwargs: :class:`~pyro.infer.Trace_ELBO` options (``num_particles``, ``vectorize_particles``,
         ``max_plate_nesting``, ...).
     :raises ValueError: for a negative, NaN or infinite ``rho``; at the first step, for a model without latent sites,

@@ -1,0 +1,105 @@
+r"""Data-parallel training with :mod:`torch.distributed`: the all-reduced ascent of the flat objectives, and DDP.
+
+With :math:`R` processes ("ranks"), each holding an equal shard :math:`\mathcal B_r` of a minibatch
+:math:`\mathcal B=\cup_r\mathcal B_r` (:math:`|\mathcal B_r|=B/R`) and calling the model with ``num_data=N``, rank
+:math:`r`'s log-likelihood is :math:`\ell_r=\frac{N}{B/R}\sum_{i\in\mathcal B_r}\log p(y_i\mid x_i,\theta)`, so the
+mean over ranks is the single-process minibatch log-likelihood :math:`\ell_{\mathcal B}=\frac NB
+\sum_{i\in\mathcal B}\log p(y_i\mid x_i,\theta)` and the mean of the ranks' gradients is its gradient.
+:class:`~torch.nn.parallel.DistributedDataParallel` averages the gradients of the final loss this way. The flat
+objectives take a gradient *inside* the loss as well — the SAM ascent direction :math:`\hat g` of
+:class:`~pyro_flat.infer.SharpnessAwareELBO` / :func:`~pyro_flat.transforms.sharpness_aware`, the data-term gradient
+:math:`g` of :class:`~pyro_flat.infer.KLBallELBO`'s Fisher direction — and that one must be averaged too, *before*
+its norm is taken: with ``distributed=True`` they call :func:`all_reduce_mean` on it, so the perturbation is the
+same on every rank and equals the single-process one on the combined batch. Without it every rank would perturb
+along its own shard's gradient (a smaller-batch, noisier ascent, different on each rank).
+
+Two more requirements, which the recipe below meets:
+
+* **the same random numbers on every rank**: the guide's draws :math:`\theta` (and bSAM's noise) must be identical
+  across ranks, so every rank calls ``pyro.set_rng_seed(seed)`` with the same seed; only the data differ;
+* **equal shards**: with unequal shards the mean of the ranks' losses weights the examples unequally (drop the last
+  incomplete batch, as :class:`~torch.utils.data.distributed.DistributedSampler` with ``drop_last=True`` does).
+
+The recipe, Pyro's ``ELBOModule`` route (:meth:`pyro.infer.ELBO.__call__`) wrapped in DDP::
+
+    torch.distributed.init_process_group("nccl")          # "gloo" on CPU; torchrun sets RANK, WORLD_SIZE, ...
+    pyro.set_rng_seed(0)                                   # the same seed on every rank
+    guide = AutoNormal(model); guide(x_shard, y_shard, num_data=N)   # create the parameters (same on all ranks)
+    loss = ddp_elbo(model, guide, SharpnessAwareELBO(rho=0.05, distributed=True))
+    optim = torch.optim.Adam(loss.parameters(), lr=1e-3)
+    for x_shard, y_shard in loader:                        # this rank's shard of each minibatch
+        optim.zero_grad()
+        loss(x_shard, y_shard, num_data=N).backward()      # DDP all-reduces the parameter gradients
+        optim.step()
+
+:class:`~pyro_flat.optim.BayesianSAM` and :class:`~pyro_flat.optim.SAM` need no option: both gradients of their
+closure come from ``backward()`` through the DDP-wrapped network, which DDP all-reduces, and bSAM's noise is the same
+on every rank once the ranks are seeded alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from pyro.infer import ELBO
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["all_reduce_mean", "check_distributed", "ddp_elbo"]
+
+
+def check_distributed(owner: str) -> None:
+    """Raise a ``ValueError`` naming ``owner`` unless :mod:`torch.distributed` is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"{owner}: distributed=True needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun); use distributed=False in one process"
+        )
+
+
+def all_reduce_mean(tensors: Sequence[Tensor], group: object | None = None) -> list[Tensor]:
+    r"""The mean over the ranks of ``group`` of each tensor, :math:`\frac1R\sum_r t^{(r)}`, in one collective.
+
+    The tensors are flattened into one buffer (one ``all_reduce`` instead of one per tensor), summed across ranks and
+    divided by the group's size; the inputs are not modified.
+
+    :param tensors: tensors of one dtype and device (e.g. the per-site gradients); shapes may differ.
+    :param group: the process group (default: the world).
+    :returns: new tensors with the inputs' shapes.
+    """
+    check_distributed("all_reduce_mean")
+    if not tensors:
+        return []
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat = flat / dist.get_world_size(group)
+    out, pos = [], 0
+    for t in tensors:
+        out.append(flat[pos : pos + t.numel()].view_as(t))
+        pos += t.numel()
+    return out
+
+
+def ddp_elbo(model: nn.Module, guide: nn.Module, elbo: ELBO, **ddp_kwargs: object) -> DistributedDataParallel:
+    """Pyro's ``ELBOModule`` for ``(model, guide)`` wrapped in :class:`~torch.nn.parallel.DistributedDataParallel`.
+
+    Calling the result with the model's arguments (this rank's shard, ``num_data=N``) returns the rank's loss; its
+    ``backward()`` leaves the mean of the ranks' gradients in the guide's (and model's) parameters.
+
+    :param model: the Pyro model, a ``PyroModule``.
+    :param guide: the guide, a ``PyroModule`` whose parameters already exist (call it once first).
+    :param elbo: the objective, e.g. ``Trace_ELBO()``, ``SharpnessAwareELBO(rho, distributed=True)`` or
+        ``KLBallELBO(radius, distributed=True)``.
+    :param ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``device_ids=[local_rank]`` on GPUs).
+    """
+    check_distributed("ddp_elbo")
+    if not isinstance(elbo, ELBO):
+        raise ValueError(f"`elbo` must be a pyro.infer.ELBO instance, got {type(elbo).__name__}")
+    if not isinstance(model, nn.Module) or not isinstance(guide, nn.Module):
+        raise ValueError("`model` and `guide` must be torch modules (PyroModule / AutoGuide) for Pyro's ELBOModule")
+    module = elbo(model, guide)
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError("ddp_elbo: the guide has no parameters yet; call guide(*args, **kwargs) once before")
+    return DistributedDataParallel(module, **ddp_kwargs)
