@@ -1,10 +1,11 @@
 """Inference for flat posteriors: objectives (ELBOs), MCMC kernels, guides, averaging, and BMA prediction."""
 
-from . import autoguide, averaging, mcmc
+from . import autoguide, averaging, mcmc, particles
 from .autoguide import AutoLowRankPlusDiagonalNormal, AutoSWAG, SWAGCollector
 from .averaging import HWA
 from .elbo import KLBallELBO, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
+from .particles import BatchedMAP, BatchedPotential, BatchedSGLD, init_particles
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
 from .util import is_latent_site, is_subsample_site, latent_sites
 
@@ -12,6 +13,11 @@ __all__ = [
     "autoguide",
     "averaging",
     "mcmc",
+    "particles",
+    "BatchedMAP",
+    "BatchedPotential",
+    "BatchedSGLD",
+    "init_particles",
     "AutoSWAG",
     "HWA",
     "SWAGCollector",
