@@ -165,3 +165,46 @@ def test_the_batched_particles_benchmark_runs(tmp_path):
     finally:
         torch.set_default_dtype(dtype)
     assert text.count("| MLP") == 2 and "nan" not in text
+
+
+def _steppers(device):
+    blr = BayesianLinearRegression.generate(30, 2, device=device)
+    start = {"w": torch.zeros(4, 2, device=device)}
+    sgld = BatchedSGLD(blr.model, start, step_size=1e-3)
+    members = BatchedMAP(blr.model, start, lr=1e-2, rho=0.05)
+    return lambda: sgld.step(blr.x, blr.y), lambda: members.step(blr.x, blr.y)
+
+
+def test_batched_steps_make_no_host_sync_beyond_adams_step_counter():
+    from pyro_flat.testing import HostSyncCounter
+
+    sgld_step, map_step = _steppers("cpu")
+    map_step()  # the first call builds Adam's state
+    with HostSyncCounter() as syncs:
+        for _ in range(3):
+            sgld_step()
+    assert syncs.count == 0, syncs.report()
+    with HostSyncCounter() as syncs:
+        for _ in range(3):
+            map_step()
+    # the baseline: torch's Adam alone reads its CPU-resident step counter (free on a GPU, see tests/test_devices.py)
+    leaf = torch.zeros(4, 2, requires_grad=True)
+    adam = torch.optim.Adam([leaf])
+    leaf.grad = torch.ones_like(leaf)
+    adam.step()
+    with HostSyncCounter() as baseline:
+        for _ in range(3):
+            adam.step()
+    assert syncs.count == baseline.count, syncs.report()
+
+
+@pytest.mark.cuda
+def test_batched_steps_on_cuda_without_sync():
+    sgld_step, map_step = _steppers("cuda")
+    sgld_step(), map_step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sgld_step()
+        map_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
