@@ -1,0 +1,28 @@
+"""The remaining ``benchmarks/`` scripts run end to end at a tiny size, as a user runs them (their figures are not
+checked here; the committed tables come from the full-size runs)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("bayesian_sam.py", ["--repeats", "1", "--steps", "1", "--out", "{tmp}/bayesian_sam.md"], "SWAGCollector"),
+        ("bsam_two_moons.py", ["--epochs", "2", "--samples", "2", "--out", "{tmp}"], "bSAM"),
+        ("memory.py", ["--draws", "2", "--warmup", "1", "--out", "{tmp}/memory.md"], "StreamingBMA"),
+        ("trajectory_paired.py", [str(ROOT / "results" / "trajectory" / "results.json")], "Paired differences"),
+    ],
+)
+def test_benchmark_script_runs(script, args, expected, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *(a.format(tmp=tmp_path) for a in args)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert expected in result.stdout
