@@ -92,6 +92,7 @@ def _rank(rank: int, port: int, out_dir: str, args: argparse.Namespace) -> None:
         results = {objective: _both(objective, rank, 2, args) for objective in OBJECTIVES}
         if rank == 0:
             torch.save(results, Path(out_dir) / "ddp.pt")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

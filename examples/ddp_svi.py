@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             report = evaluate(predictive(data.x_test), data.y_test)
             print(f"{world} processes, {args.steps} steps: acc {report['acc']:.3f}  nll {report['nll']:.3f}  "
                   f"ece {report['ece']:.3f}")
+        dist.barrier()  # rank 0 evaluated alone: wait for it before tearing the group down
     finally:
         dist.destroy_process_group()
 

@@ -32,6 +32,10 @@ The recipe, Pyro's ``ELBOModule`` route (:meth:`pyro.infer.ELBO.__call__`) wrapp
         loss(x_shard, y_shard, num_data=N).backward()      # DDP all-reduces the parameter gradients
         optim.step()
 
+.. warning:: With ``distributed=True`` every call of the loss is a collective: all ranks must evaluate it equally often
+    (e.g. ``SVI.evaluate_loss`` on rank 0 alone would wait forever for the others). End a run with
+    ``dist.barrier()`` before ``destroy_process_group()`` when one rank does extra work (such as evaluation).
+
 :class:`~pyro_flat.optim.BayesianSAM` and :class:`~pyro_flat.optim.SAM` need no option: both gradients of their
 closure come from ``backward()`` through the DDP-wrapped network, which DDP all-reduces, and bSAM's noise is the same
 on every rank once the ranks are seeded alike.
@@ -47,7 +51,7 @@ from pyro.infer import ELBO
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_reduce_mean", "check_distributed", "ddp_elbo"]
+__all__ = ["all_reduce_mean", "check_distributed", "check_same_random_state", "ddp_elbo"]
 
 
 def check_distributed(owner: str) -> None:
@@ -102,4 +106,26 @@ def ddp_elbo(model: nn.Module, guide: nn.Module, elbo: ELBO, **ddp_kwargs: objec
     module = elbo(model, guide)
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("ddp_elbo: the guide has no parameters yet; call guide(*args, **kwargs) once before")
+    check_same_random_state(next(module.parameters()).device)
     return DistributedDataParallel(module, **ddp_kwargs)
+
+
+def check_same_random_state(device: torch.device | str = "cpu", group: object | None = None) -> None:
+    """Raise a ``ValueError`` unless torch's CPU random state (and the current CUDA one, if CUDA is initialised) is the
+    same on every rank of ``group``: the guide's draws and bSAM's noise must agree across ranks.
+
+    A collective (every rank must call it); it compares a checksum of the generator states with one ``all_reduce``.
+    """
+    check_distributed("check_same_random_state")
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    weights = torch.arange(1, sum(len(s) for s in states) + 1, dtype=torch.float64)
+    checksum = (torch.cat(states).to(torch.float64) * weights).sum()
+    bounds = torch.stack([checksum, -checksum]).to(device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(bounds[0], -bounds[1]):  # max == min: every rank holds the same checksum
+        raise ValueError(
+            "the ranks' random states differ: seed every rank with the same seed (pyro.set_rng_seed(seed) on all "
+            "ranks) before building the guide, so that the guide draws the same latent values everywhere"
+        )

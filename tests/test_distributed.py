@@ -27,7 +27,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pyro_flat.distributed import all_reduce_mean, ddp_elbo
+from pyro_flat.distributed import all_reduce_mean, check_same_random_state, ddp_elbo
 from pyro_flat.infer import KLBallELBO, SharpnessAwareELBO
 from pyro_flat.nn import BayesianMLP
 from pyro_flat.optim import BayesianSAM
@@ -94,7 +94,16 @@ def _rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
         results = {objective: _train(objective, x[shard], y[shard], True) for objective in OBJECTIVES}
         reduced = all_reduce_mean([torch.full((2, 3), float(rank)), torch.full((4,), 2.0 * rank)])
         results["all_reduce_mean"] = {"a": reduced[0], "b": reduced[1]}
+        torch.manual_seed(7)
+        check_same_random_state()  # the same seed everywhere: no error
+        torch.manual_seed(rank)
+        try:
+            check_same_random_state()
+            results["seeds_differ_detected"] = False
+        except ValueError as error:
+            results["seeds_differ_detected"] = "random states differ" in str(error)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -136,6 +145,10 @@ def test_all_reduce_mean_averages_over_the_ranks(two_rank_results):
     for rank_result in two_rank_results:  # ranks 0 and 1 hold 0 and 1 (a), 0 and 2 (b): means 0.5 and 1
         torch.testing.assert_close(rank_result["all_reduce_mean"]["a"], torch.full((2, 3), 0.5))
         torch.testing.assert_close(rank_result["all_reduce_mean"]["b"], torch.full((4,), 1.0))
+
+
+def test_ranks_seeded_differently_are_detected(two_rank_results):
+    assert all(result["seeds_differ_detected"] for result in two_rank_results)
 
 
 def test_distributed_option_needs_a_process_group():
