@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import pyro
 import torch
+from _report import write_markdown
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 from pyro.nn import PyroModule
@@ -122,13 +122,7 @@ def main(argv: list[str] | None = None) -> str:
                 f"{map_loop:.2f} | {map_vmap:.2f} | {map_loop / map_vmap:.2f} | "
                 f"{med['SAM members: BatchedMAP(rho=0.05)']:.2f} |"
             )
-    command = "python benchmarks/batched_particles.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    lines += ["", "Command:", "", "```bash", command.strip(), "```", ""]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    return text
+    return write_markdown(lines, args.out, __file__, argv)
 
 
 if __name__ == "__main__":

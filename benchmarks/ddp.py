@@ -22,7 +22,6 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import pyro
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _report import write_markdown
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
@@ -131,13 +131,7 @@ def main(argv: list[str] | None = None) -> str:
         m1, m2 = statistics.median(t1) * 1e3, statistics.median(t2) * 1e3
         diff = max(float((p1[n] - p2[n]).abs().max() / p1[n].abs().max()) for n in p1)
         lines.append(f"| {objective} | {m1:.2f} | {m2:.2f} | {m1 / m2:.2f} | {diff:.1e} |")
-    command = "python benchmarks/ddp.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    lines += ["", "Command:", "", "```bash", command.strip(), "```", ""]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    return text
+    return write_markdown(lines, args.out, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ Run: ``python benchmarks/kl_ball_elbo.py [--repeats 15] [--steps 20]``; writes `
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import pyro
 import torch
 import torch.nn.functional as F
+from _report import write_markdown
 from _svi_timing import (
     BATCH,
     HIDDEN,
@@ -109,7 +109,6 @@ def main(argv=None):
         ("Trace_ELBO + AutoNormal / torch BBB", med["Trace_ELBO + AutoNormal"], med["torch BBB"],
          "(Pyro's overhead on the baseline)"),
     ]
-    command = "python benchmarks/kl_ball_elbo.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
         "# KLBallELBO step time",
         "",
@@ -122,11 +121,7 @@ def main(argv=None):
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for name, a, b, target in rows:
         lines.append(f"| {name} | {a / b:.2f} | {target} |")
-    lines += ["", "Command:", "", "```bash", command.strip(), "```", ""]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_markdown(lines, args.out, __file__, argv)
 
 
 if __name__ == "__main__":

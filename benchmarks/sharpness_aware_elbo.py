@@ -20,11 +20,11 @@ Run: ``python benchmarks/sharpness_aware_elbo.py [--repeats 15] [--steps 20]``; 
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import pyro
 import torch
+from _report import write_markdown
 from _svi_timing import (
     BATCH,
     HIDDEN,
@@ -91,7 +91,6 @@ def main(argv=None):
     torch.set_default_dtype(torch.float32)
     pyro.set_rng_seed(0)
     data = load_digits()
-    command = "python benchmarks/sharpness_aware_elbo.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
         "# SharpnessAwareELBO step time",
         "",
@@ -119,11 +118,7 @@ def main(argv=None):
         ]
         lines += ["", "| ratio | value | target |", "|---|---|---|"]
         lines += [f"| {name} | {value:.2f} | {target} |" for name, value, target in rows]
-    lines += ["", "Command:", "", "```bash", command.strip(), "```", ""]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_markdown(lines, args.out, __file__, argv)
 
 
 if __name__ == "__main__":

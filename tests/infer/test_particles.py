@@ -154,8 +154,10 @@ def test_bad_arguments():
         BatchedSGLD(model, {"a": torch.zeros(3)}, step_size=0.1).run(0, lambda: ((), {}))
 
 
-def test_the_batched_particles_benchmark_runs(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "batched_particles.py"
+def test_the_batched_particles_benchmark_runs(tmp_path, monkeypatch):
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # for its shared module `_report`
+    path = benchmarks / "batched_particles.py"
     spec = importlib.util.spec_from_file_location("batched_particles", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
