@@ -7,7 +7,7 @@ from .elbo import KLBallELBO, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .particles import BatchedMAP, BatchedPotential, BatchedSGLD, init_particles
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
-from .util import is_latent_site, is_subsample_site, latent_sites
+from .util import at_latent_values, is_latent_site, latent_sites
 
 __all__ = [
     "autoguide",
@@ -33,7 +33,7 @@ __all__ = [
     "bma_predict",
     "guide_draws",
     "is_latent_site",
-    "is_subsample_site",
+    "at_latent_values",
     "latent_sites",
     "predict_logits",
     "sample_draws",

@@ -1,14 +1,12 @@
-"""Small helpers on Pyro traces shared by the objectives, kernels and predictors."""
+"""Small helpers on Pyro models and traces shared by the objectives, kernels and predictors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from pyro import poutine
+from pyro.poutine.util import site_is_subsample
 from torch import Tensor
-
-
-def is_subsample_site(site: dict) -> bool:
-    """Whether ``site`` is the index draw of a subsampled ``pyro.plate`` (a ``sample`` site, but not a latent)."""
-    return site["type"] == "sample" and type(site["fn"]).__name__ == "_Subsample"
 
 
 def is_latent_site(site: dict) -> bool:
@@ -17,7 +15,7 @@ def is_latent_site(site: dict) -> bool:
     return (
         site["type"] == "sample"
         and not site["is_observed"]
-        and not is_subsample_site(site)
+        and not site_is_subsample(site)
         and not site["infer"].get("_deterministic", False)
         and not site["infer"].get("is_auxiliary", False)
     )
@@ -26,3 +24,18 @@ def is_latent_site(site: dict) -> bool:
 def latent_sites(trace: poutine.Trace) -> dict[str, Tensor]:
     """The values of the latent sample sites of ``trace`` (see :func:`is_latent_site`), in trace order."""
     return {name: site["value"] for name, site in trace.nodes.items() if is_latent_site(site)}
+
+
+def at_latent_values(model: Callable, values: Mapping[str, Tensor]) -> Callable:
+    """``model`` with the latent sites named in ``values`` set to those values (constrained, as the model samples
+    them), the way a guide's values are set: Pyro's ``poutine.replay``.
+
+    Unlike ``poutine.condition``, which turns the sites into *observations*, they stay latent: their prior is scored
+    at the given values and a model transform (:func:`~pyro_flat.transforms.sharpness_aware`,
+    :func:`~pyro_flat.transforms.local_entropy`) treats them as latents. Use it to evaluate a (transformed) model's
+    log density at given latent values.
+    """
+    trace = poutine.Trace()
+    for name, value in values.items():
+        trace.add_node(name, type="sample", name=name, value=value, is_observed=False, infer={})
+    return poutine.replay(model, trace=trace)

@@ -53,7 +53,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -63,6 +63,7 @@ from .sam import check_radius
 from .tree import global_norm, tree_dot
 
 __all__ = [
+    "conjugate_gradient",
     "diagonal_gaussian_fisher",
     "diagonal_gaussian_inverse_fisher_product",
     "kl_ball_step",
@@ -178,3 +179,59 @@ def normalized_score_step(
         coefficient = rho / (global_norm(block) + eps)
         steps.append([coefficient * s for s in block])
     return steps
+
+
+def conjugate_gradient(
+    matvec: Callable[[list[Tensor]], list[Tensor]],
+    b: Sequence[Tensor],
+    *,
+    iterations: int,
+    damping: float,
+) -> list[Tensor]:
+    r"""Solve :math:`(F + \lambda I)\,x = b` by conjugate gradients, for a symmetric positive semi-definite :math:`F`
+    known only through products :math:`v \mapsto Fv` (e.g. Fisher-vector products by automatic differentiation).
+
+    The damping is relative to the curvature along :math:`b`, :math:`\lambda = \text{damping}\cdot
+    b^\top F b / b^\top b`, so it does not depend on the parameters' units; it bounds the solution in directions
+    where :math:`F` is (nearly) singular. A fixed number of iterations and no convergence test: nothing is read on
+    the host (a converged iteration leaves :math:`x` unchanged). In exact arithmetic CG is exact after as many
+    iterations as :math:`F` has distinct eigenvalues.
+
+    :param matvec: :math:`v \mapsto Fv` on lists of tensors shaped like ``b``.
+    :param b: the right-hand side, one tensor per parameter.
+    :param int iterations: the number of CG iterations (:math:`\ge 1`).
+    :param float damping: the relative damping (:math:`\ge 0`).
+    :returns: :math:`x`, shaped like ``b``.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"conjugate_gradient: `iterations` must be an int >= 1, got {iterations!r}")
+    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0 <= damping < math.inf:
+        raise ValueError(f"conjugate_gradient: `damping` must be a finite number >= 0, got {damping!r}")
+    b = [t.detach() for t in b]
+    fb = matvec(b)
+    bb = tree_dot(b, b)
+    tiny = torch.finfo(bb.dtype).tiny
+    lam = damping * tree_dot(b, fb) / bb.clamp_min(tiny)
+
+    def apply(v: list[Tensor], fv: list[Tensor] | None = None) -> list[Tensor]:
+        fv = matvec(v) if fv is None else fv
+        return [f + lam * t for f, t in zip(fv, v, strict=True)]
+
+    x = [torch.zeros_like(t) for t in b]
+    r = list(b)
+    p = list(b)
+    rr = bb
+    ap = apply(p, fb)
+    for i in range(iterations):
+        pap = tree_dot(p, ap)
+        alpha = torch.where(pap > tiny, rr / pap.clamp_min(tiny), torch.zeros_like(pap))
+        x = [xi + alpha * pi for xi, pi in zip(x, p, strict=True)]
+        r = [ri - alpha * api for ri, api in zip(r, ap, strict=True)]
+        if i + 1 == iterations:
+            break
+        rr_new = tree_dot(r, r)
+        beta = torch.where(rr > tiny, rr_new / rr.clamp_min(tiny), torch.zeros_like(rr))
+        p = [ri + beta * pi for ri, pi in zip(r, p, strict=True)]
+        rr = rr_new
+        ap = apply(p)
+    return x

@@ -55,23 +55,25 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pyro
 import torch
-from pyro.distributions.util import scale_and_mask
+from pyro import poutine
+from pyro.infer.util import is_validation_enabled
 from pyro.poutine.indep_messenger import CondIndepStackFrame
-from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import get_plates
+from pyro.poutine.util import site_is_subsample
 from torch import Tensor, nn
 from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import Transform
 
 from ..distributed import all_reduce_mean, check_distributed
-from ..infer.util import is_latent_site, is_subsample_site
+from ..infer.replay import RunRecorder
+from ..infer.util import is_latent_site
 from ..ops.sam import check_radius, sam_perturbation
+from ._outer import outer_effect
 
 LOG_LIKELIHOOD_SITE = "sharpness_aware_log_likelihood"
 """Name of the factor site through which the perturbed log-likelihood enters the transformed model."""
@@ -83,114 +85,68 @@ def is_likelihood_site(msg: Mapping) -> bool:
     return (
         msg["type"] == "sample"
         and msg["is_observed"]
-        and not is_subsample_site(msg)
+        and not site_is_subsample(msg)
         and not msg["infer"].get("_deterministic", False)
     )
 
 
-class _RandomState:
-    """The states of torch's CPU generator and of the CUDA generators of ``devices`` (no host sync)."""
+class _RecordingPass(RunRecorder):
+    r"""The recording pass (a :class:`~pyro_flat.infer.replay.RunRecorder`) of the transformed model.
 
-    def __init__(self, devices: Sequence[torch.device]) -> None:
-        self.devices = list(devices)
+    It sorts the model's sample sites: **likelihood** sites, observed by the model itself (hidden from the enclosing
+    handlers: they are scored at the perturbed values instead); **latent** sites, sampled by the model and left
+    unobserved by the enclosing handlers; and **outer-conditioned** sites, sampled by the model but observed by an
+    enclosing ``pyro.condition`` (whether those are observations or latent values is decided after the run, see
+    :meth:`SharpnessAwareModel.forward`). With ``shift`` the model computes with :math:`\theta + \delta`,
+    :math:`\delta` a zero leaf per continuous site (so that :math:`\nabla_\delta` is the gradient in :math:`\theta`),
+    while the enclosing handlers record :math:`\theta` (their ``_postprocess_message`` runs before this innermost
+    one). Sites hidden by a selective block outside the transform are ignored, as if blocked inside it."""
 
-    def get(self) -> tuple[Tensor, list[Tensor]]:
-        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
-
-    def set(self, state: tuple[Tensor, list[Tensor]]) -> None:
-        cpu, cuda = state
-        torch.set_rng_state(cpu)
-        for device, s in zip(self.devices, cuda, strict=True):
-            torch.cuda.set_rng_state(s, device)
-
-
-class _RecordingPass(Messenger):
-    """The recording pass: hides the likelihood sites from the enclosing handlers (keeping them for the log-likelihood),
-    records the latent values and the subsample indices, the random state after each subsample draw and, with
-    ``shift``, hands the model :math:`\\theta + \\delta` with :math:`\\delta` a zero leaf per latent site (so that
-    :math:`\\nabla_\\delta` is the gradient in :math:`\\theta`) while the enclosing handlers record :math:`\\theta`
-    (their ``_postprocess_message`` runs before this innermost one)."""
-
-    def __init__(self, random_state: _RandomState, shift: bool) -> None:
+    def __init__(self, shift: bool) -> None:
         super().__init__()
-        self.random_state = random_state
         self.shift = shift
         self.latents: dict[str, tuple[Tensor, object]] = {}
+        self.conditioned: dict[str, dict] = {}
         self.deltas: dict[str, Tensor] = {}
         self.likelihood: dict[str, dict] = {}
-        self.subsamples: dict[str, Tensor] = {}
-        self.states_after_subsample: list[tuple[Tensor, list[Tensor]]] = []
         self.discrete: list[str] = []
-        self._latent_names: set[str] = set()
-
-    def _pyro_sample(self, msg: dict) -> None:
-        # runs before the enclosing handlers: an MCMC `condition` has not yet marked the latent sites observed
-        if is_likelihood_site(msg):
-            msg["stop"] = True  # the enclosing handlers never see it; it is scored at the perturbed values instead
-        elif is_latent_site(msg):
-            if msg["fn"].support.is_discrete:
-                self.discrete.append(msg["name"])
-            else:
-                self._latent_names.add(msg["name"])
-
-    def _pyro_post_sample(self, msg: dict) -> None:
-        name = msg["name"]
-        if is_subsample_site(msg):
-            self.subsamples[name] = msg["value"]
-            self.states_after_subsample.append(self.random_state.get())
-        elif name in self._latent_names:
-            value = msg["value"]
-            self.latents[name] = (value, msg["fn"])
-            if self.shift:
-                delta = torch.zeros_like(value, requires_grad=True)
-                self.deltas[name] = delta
-                msg["value"] = value + delta
-        elif is_likelihood_site(msg):
-            self.likelihood[name] = msg
-
-
-class _ReplayedPass(Messenger):
-    """Runs the model at given latent values with the subsample indices and the random numbers of a
-    :class:`_RecordingPass`, hidden from the enclosing handlers (every message stops here, as under
-    ``poutine.block()``), and keeps its likelihood sites. After each subsample site (whose indices are set, hence
-    drawn without randomness) the random state recorded there is restored, so dropout masks are the same."""
-
-    def __init__(self, values: Mapping[str, Tensor], record: _RecordingPass) -> None:
-        super().__init__()
-        self.values = {**record.subsamples, **values}
-        self.record = record
-        self.likelihood: dict[str, dict] = {}
-        self._next_state = 0
+        self._sampled: set[str] = set()
+        self._likelihood_names: set[str] = set()
 
     def _process_message(self, msg: dict) -> None:
-        msg["stop"] = True
-        if msg["type"] == "sample" and msg["name"] in self.values:
-            msg["value"] = self.values[msg["name"]]
-            msg["is_observed"] = True
+        # runs before the enclosing handlers, which may still observe (condition) or hide (block) the site
+        if msg["type"] == "sample" and not site_is_subsample(msg):
+            if outer_effect(self, msg, "sharpness_aware").hidden:
+                pass  # invisible to the transform, as if blocked inside it
+            elif is_likelihood_site(msg):
+                msg["stop"] = True  # the enclosing handlers never see it; it is scored at the perturbed values instead
+                self._likelihood_names.add(msg["name"])
+            elif is_latent_site(msg):
+                self._sampled.add(msg["name"])
+        super()._process_message(msg)
 
     def _postprocess_message(self, msg: dict) -> None:
-        if msg["type"] != "sample":
+        super()._postprocess_message(msg)
+        name = msg["name"]
+        if msg["type"] != "sample" or site_is_subsample(msg):
             return
-        states = self.record.states_after_subsample
-        if is_subsample_site(msg) and self._next_state < len(states):
-            self.record.random_state.set(states[self._next_state])
-            self._next_state += 1
-        elif msg["name"] in self.record.likelihood:
-            self.likelihood[msg["name"]] = msg
-
-
-@contextlib.contextmanager
-def _frozen_batchnorm(modules: Sequence[nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
-    """BatchNorm layers normalise with the batch statistics (in train mode) without updating their running
-    statistics or ``num_batches_tracked`` (in eval mode they use the running statistics, which is unchanged)."""
-    saved = [m.track_running_stats for m in modules]
-    try:
-        for m in modules:
-            m.track_running_stats = False
-        yield
-    finally:
-        for m, flag in zip(modules, saved, strict=True):
-            m.track_running_stats = flag
+        if name in self._likelihood_names:
+            self.likelihood[name] = msg
+            return
+        if name not in self._sampled:
+            return
+        value, fn = msg["value"], msg["fn"]
+        if msg["is_observed"]:
+            self.conditioned[name] = {**msg, "value": value}
+        elif fn.support.is_discrete:
+            self.discrete.append(name)
+            return
+        else:
+            self.latents[name] = (value, fn)
+        if self.shift and not fn.support.is_discrete:
+            delta = torch.zeros_like(value, requires_grad=True)
+            self.deltas[name] = delta
+            msg["value"] = value + delta
 
 
 def check_options(rho: float, adaptive: bool, freeze_batchnorm: bool, distributed: bool = False) -> float:
@@ -202,7 +158,8 @@ def check_options(rho: float, adaptive: bool, freeze_batchnorm: bool, distribute
     return rho
 
 
-def _is_real(support: constraints.Constraint) -> bool:
+def is_real_support(support: constraints.Constraint) -> bool:
+    """Whether ``support`` is the real line (possibly as an ``independent`` event): no transform, no Jacobian."""
     while isinstance(support, constraints.independent):
         support = support.base_constraint
     return support is constraints.real
@@ -302,7 +259,6 @@ class SharpnessAwareModel(nn.Module):
         self.freeze_batchnorm = freeze_batchnorm
         self.distributed = distributed
         self.process_group = process_group
-        self._batchnorm: list[nn.modules.batchnorm._BatchNorm] | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -310,55 +266,33 @@ class SharpnessAwareModel(nn.Module):
             f"distributed={self.distributed}"
         )
 
-    def _cuda_devices(self, args: tuple, kwargs: dict) -> list[torch.device]:
-        if not torch.cuda.is_available():
-            return []
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-        if isinstance(self.model, nn.Module):
-            tensors += list(self.model.parameters()) + list(self.model.buffers())
-        return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
-
-    def _batchnorm_layers(self) -> list[nn.modules.batchnorm._BatchNorm]:
-        if not (self.freeze_batchnorm and isinstance(self.model, nn.Module)):
-            return []
-        if self._batchnorm is None:  # looked up once: the layers of a network do not change between steps
-            self._batchnorm = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        return self._batchnorm
+    def _log_likelihood(self, sites: Mapping[str, dict], frames: Sequence[CondIndepStackFrame]) -> Tensor:
+        r""":math:`\ell_B`: the scaled and masked log-likelihood of ``sites``, summed to the vectorised ``frames``
+        (computed by Pyro's trace, so that an error names its site)."""
+        trace = poutine.Trace()
+        for name, site in sites.items():
+            trace.add_node(name, **site)
+        trace.compute_log_prob()
+        total = 0.0
+        for site in trace.nodes.values():
+            total = total + _sum_to_plates(site["log_prob"], frames)
+        return total
 
     def _replayed_log_likelihood(
-        self,
-        values: Mapping[str, Tensor],
-        record: _RecordingPass,
-        start_state: tuple,
-        frames: Sequence[CondIndepStackFrame],
-        args: tuple,
-        kwargs: dict,
+        self, values: Mapping[str, Tensor], likelihood: Mapping[str, dict], record: _RecordingPass,
+        frames: Sequence[CondIndepStackFrame], args: tuple, kwargs: dict,
     ) -> Tensor:
-        """:math:`\\ell_B` at ``values``, with the recorded subsample indices and random numbers, blocked from the
-        enclosing handlers, BatchNorm statistics frozen."""
-        record.random_state.set(start_state)
-        replayed = _ReplayedPass(values, record)
-        with replayed, _frozen_batchnorm(self._batchnorm_layers()):
-            self.model(*args, **kwargs)
-        missing = sorted(set(record.likelihood) - set(replayed.likelihood))
+        r""":math:`\ell_B` at ``values``: the recorded run replayed (same minibatch, observations and random numbers,
+        blocked from the enclosing handlers, BatchNorm statistics frozen if asked)."""
+        with record.replay(values, freeze_batchnorm=self.freeze_batchnorm):
+            trace = poutine.trace(self.model).get_trace(*args, **kwargs)
+        missing = sorted(set(likelihood) - set(trace.nodes))
         if missing:
             raise ValueError(
                 f"sharpness_aware: the observed sites {missing} of the recording pass are absent from the perturbed "
                 "pass; the model's structure must not depend on the latent values"
             )
-        return self._log_likelihood(replayed.likelihood, record.likelihood, frames)
-
-    @staticmethod
-    def _log_likelihood(
-        sites: Mapping[str, dict], names: Sequence[str], frames: Sequence[CondIndepStackFrame]
-    ) -> Tensor:
-        total = 0.0
-        for name in names:
-            site = sites[name]
-            log_prob = site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
-            log_prob = scale_and_mask(log_prob, site["scale"], site["mask"])
-            total = total + _sum_to_plates(log_prob, frames)
-        return total
+        return self._log_likelihood({name: trace.nodes[name] for name in likelihood}, frames)
 
     def _perturbed_values(
         self, record: _RecordingPass, grads: Sequence[Tensor | None], frames: Sequence[CondIndepStackFrame]
@@ -368,14 +302,14 @@ class SharpnessAwareModel(nn.Module):
         values, unconstrained_grads, unconstrained, transforms, event_dims = {}, [], [], [], []
         for (name, (value, fn)), grad in zip(record.latents.items(), grads, strict=True):
             grad = torch.zeros_like(value) if grad is None else grad
-            transform: Transform | None = None if _is_real(fn.support) else biject_to(fn.support)
+            transform: Transform | None = None if is_real_support(fn.support) else biject_to(fn.support)
             if transform is None:
                 u = value.detach()
-            else:  # chain rule to the unconstrained coordinates: g_u = J^T g
+            else:  # chain rule to the unconstrained coordinates: g_u = J^T g (through a zero leaf, as the shifts)
+                u = transform.inv(value.detach())
                 with torch.enable_grad():
-                    u = transform.inv(value.detach()).requires_grad_()
-                    (grad,) = torch.autograd.grad(transform(u), u, grad)
-                u = u.detach()
+                    zero = torch.zeros_like(u, requires_grad=True)
+                    (grad,) = torch.autograd.grad(transform(u + zero), zero, grad)
             values[name] = value
             transforms.append(transform)
             unconstrained_grads.append(grad)
@@ -391,51 +325,113 @@ class SharpnessAwareModel(nn.Module):
             perturbed[name] = value + e if transform is None else transform(transform.inv(value) + e)
         return perturbed
 
-    def forward(self, *args: object, **kwargs: object) -> object:
-        frames = [f for f in get_plates() if f.vectorized]
-        random_state = _RandomState(self._cuda_devices(args, kwargs))
-        start_state = random_state.get()
-        grad_enabled = torch.is_grad_enabled()
-        record = _RecordingPass(random_state, shift=grad_enabled)
-        with record:
-            result = self.model(*args, **kwargs)
-        end_state = random_state.get()
-        if not (record.latents or record.discrete):
+    def _classify(self, record: _RecordingPass) -> dict[str, dict] | None:
+        """Decide what the sites observed by an enclosing ``pyro.condition`` are; return them if they are the
+        likelihood (then the transform emits a correction, see :meth:`forward`), ``None`` otherwise.
+
+        * the model observes nothing itself: they are its **observations**, exactly as if conditioned inside the
+          transform (``pyro.condition(sharpness_aware(model), data)`` is ``sharpness_aware(pyro.condition(model,
+          data))``);
+        * the model observes its own data and every other sampled site is conditioned: they are the **latent values**
+          at which the density is evaluated (the potential of Pyro's HMC/NUTS, ``Predictive`` with
+          ``posterior_samples``);
+        * otherwise the program is ambiguous and is refused, naming the sites.
+        """
+        if not record.conditioned:
+            return None
+        names = sorted(record.conditioned)
+        if record.likelihood and (record.latents or record.discrete):
             raise ValueError(
-                "sharpness_aware: the model has no latent sample site; there is nothing to perturb (observed, "
-                "deterministic and subsample sites are not latent)"
+                f"sharpness_aware: the sites {names} are conditioned outside the transformed model while the model "
+                f"observes {sorted(record.likelihood)} itself and samples {sorted(record.latents) + record.discrete}: "
+                "it is ambiguous whether they are observations or latent values. Condition observations inside "
+                "(sharpness_aware(pyro.condition(model, data))) and set latent values with "
+                "pyro_flat.infer.at_latent_values"
             )
-        if not record.likelihood:
-            return result  # e.g. Predictive with y=None: no likelihood, no perturbation
+        if record.likelihood:  # latent values: the model's own likelihood is perturbed around them
+            for name in names:
+                site = record.conditioned[name]
+                if site["fn"].support.is_discrete:
+                    record.discrete.append(name)
+                else:
+                    record.latents[name] = (site["value"], site["fn"])
+            return None
+        return record.conditioned
+
+    def _check_perturbed(self, record: _RecordingPass, perturbed: Mapping[str, Tensor]) -> None:
+        """A clear error if a perturbed value overflowed out of its site's support (one host read; under validation
+        or on the error path only)."""
+        degenerate = [
+            name for name, (_, fn) in record.latents.items()
+            if not bool(torch.isfinite(perturbed[name]).all() and fn.support.check(perturbed[name]).all())
+        ]
+        if degenerate:
+            raise ValueError(
+                f"sharpness_aware (rho={self.rho}): the perturbed values of the sites {degenerate} are not finite or "
+                "left their support (the SAM step overflowed the site's transform); lower rho"
+            )
+
+    def _check_sites(self, record: _RecordingPass) -> None:
         if record.discrete:
             raise ValueError(
                 f"sharpness_aware: latent sites {record.discrete} have discrete support; the SAM perturbation needs "
                 "continuous latent values"
             )
+        if not record.latents:
+            raise ValueError(
+                "sharpness_aware: the model has no latent sample site, so there is nothing to perturb (observed, "
+                "deterministic and subsample sites are not latent)"
+            )
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        if torch.jit.is_tracing():
+            raise NotImplementedError(
+                "sharpness_aware cannot be compiled with torch.jit.trace (e.g. by JitTrace_ELBO): its SAM ascent takes "
+                "a gradient inside the model run, which tracing would freeze. Use SharpnessAwareELBO or Trace_ELBO"
+            )
+        frames = [f for f in get_plates() if f.vectorized]
+        grad_enabled = torch.is_grad_enabled()
+        with _RecordingPass(shift=grad_enabled) as record:
+            result = self.model(*args, **kwargs)
+        outer_likelihood = self._classify(record)
+        likelihood = record.likelihood if outer_likelihood is None else outer_likelihood
+        if not likelihood:
+            return result  # e.g. Predictive with y=None: no likelihood, nothing to perturb
+        if outer_likelihood is not None and not record.latents:
+            return result  # the observations depend on no continuous latent: the density is the model's
+        self._check_sites(record)
+        with torch.enable_grad():
+            if grad_enabled:
+                deltas = [record.deltas[name] for name in record.latents]
+                log_lik = self._log_likelihood(likelihood, frames)
+            else:  # no graph from the recording pass: one extra replayed pass at theta + 0
+                deltas = [torch.zeros_like(v, requires_grad=True) for v, _ in record.latents.values()]
+                shifted = {name: v + d for (name, (v, _)), d in zip(record.latents.items(), deltas, strict=True)}
+                log_lik = self._replayed_log_likelihood(shifted, likelihood, record, frames, args, kwargs)
+            if isinstance(log_lik, Tensor) and log_lik.requires_grad:
+                grads = torch.autograd.grad(-log_lik.sum(), deltas, allow_unused=True, retain_graph=True)
+            else:
+                grads = [None] * len(deltas)
+        if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
+            check_distributed("sharpness_aware")
+            grads = all_reduce_mean(
+                [torch.zeros_like(d) if g is None else g for g, d in zip(grads, deltas, strict=True)],
+                self.process_group,
+            )
+        perturbed = self._perturbed_values(record, grads, frames)
+        if is_validation_enabled():
+            self._check_perturbed(record, perturbed)
         try:
-            with torch.enable_grad():
-                if grad_enabled:
-                    deltas = [record.deltas[name] for name in record.latents]
-                    log_lik = self._log_likelihood(record.likelihood, record.likelihood, frames)
-                else:  # no graph from the recording pass: one extra blocked pass at theta + 0
-                    deltas = [torch.zeros_like(v, requires_grad=True) for v, _ in record.latents.values()]
-                    shifted = {name: v + d for (name, (v, _)), d in zip(record.latents.items(), deltas, strict=True)}
-                    log_lik = self._replayed_log_likelihood(shifted, record, start_state, frames, args, kwargs)
-                if isinstance(log_lik, Tensor) and log_lik.requires_grad:
-                    grads = torch.autograd.grad(-log_lik.sum(), deltas, allow_unused=True)
-                else:
-                    grads = [None] * len(deltas)
-            if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
-                check_distributed("sharpness_aware")
-                grads = all_reduce_mean(
-                    [torch.zeros_like(d) if g is None else g for g, d in zip(grads, deltas, strict=True)],
-                    self.process_group,
-                )
-            perturbed = self._perturbed_values(record, grads, frames)
-            log_lik = self._replayed_log_likelihood(perturbed, record, start_state, frames, args, kwargs)
-        finally:
-            random_state.set(end_state)  # the caller's random stream continues as after one model run
-        pyro.factor(LOG_LIKELIHOOD_SITE, log_lik)
+            perturbed_log_lik = self._replayed_log_likelihood(perturbed, likelihood, record, frames, args, kwargs)
+        except ValueError as error:
+            self._check_perturbed(record, perturbed)
+            raise ValueError(
+                f"sharpness_aware (rho={self.rho}): the likelihood at the perturbed latent values failed: {error}"
+            ) from error
+        if outer_likelihood is None:
+            pyro.factor(LOG_LIKELIHOOD_SITE, perturbed_log_lik)
+        else:  # the enclosing handlers scored the observations at theta: add the difference to theta + eps
+            pyro.factor(LOG_LIKELIHOOD_SITE, perturbed_log_lik - log_lik)
         return result
 
 

@@ -11,6 +11,7 @@ from pyro.infer.autoguide import AutoDelta, AutoNormal, init_to_value
 from pyro.infer.mcmc.util import initialize_model
 from pyro.ops.integrator import potential_grad
 
+from pyro_flat.infer import at_latent_values
 from pyro_flat.nn import BayesianMLP, init_to_network
 from pyro_flat.transforms import LOG_LIKELIHOOD_SITE, SharpnessAwareModel, sharpness_aware
 
@@ -36,7 +37,7 @@ def test_trace_holds_prior_at_theta_and_likelihood_at_the_perturbed_values():
     features, targets = regression_data()
     theta = torch.tensor([0.2, 0.4], dtype=torch.float64)
     rho = 0.3
-    trace = poutine.trace(poutine.condition(sharpness_aware(regression_model, rho), {"theta": theta})).get_trace(
+    trace = poutine.trace(at_latent_values(sharpness_aware(regression_model, rho), {"theta": theta})).get_trace(
         features, targets
     )
     assert "y" not in trace.nodes  # the observed site is replaced by the factor
@@ -66,7 +67,7 @@ def test_mcmc_potential_and_its_gradient():
     torch.testing.assert_close(grads["theta"], theta - features.T @ (targets - features @ (theta + eps)),
                                atol=1e-12, rtol=0)
     # the same potential by hand through poutine.condition
-    hand = -poutine.trace(poutine.condition(sa_model, {"theta": theta})).get_trace(features, targets).log_prob_sum()
+    hand = -poutine.trace(at_latent_values(sa_model, {"theta": theta})).get_trace(features, targets).log_prob_sum()
     torch.testing.assert_close(hand, expected, atol=1e-12, rtol=0)
 
 
@@ -121,7 +122,7 @@ def test_same_dropout_mask(mask_first, device):
 
     w = torch.linspace(-1.0, 1.0, b, dtype=torch.float64, device=device)
     pyro.set_rng_seed(0)
-    trace = poutine.trace(poutine.condition(sharpness_aware(model, rho), {"w": w})).get_trace(data)
+    trace = poutine.trace(at_latent_values(sharpness_aware(model, rho), {"w": w})).get_trace(data)
     idx, mask = trace.nodes["data"]["value"], trace.nodes["mask"]["value"]
     assert 0 < (mask == 0).sum() < b  # a real mask
     x = data[idx]
@@ -165,7 +166,7 @@ def test_constrained_latent_is_perturbed_in_unconstrained_space():
             pyro.sample("x", dist.Normal(0.0, sigma), obs=x)
 
     sigma = torch.tensor(0.5, dtype=torch.float64)
-    trace = poutine.trace(poutine.condition(sharpness_aware(model, rho), {"sigma": sigma})).get_trace(data)
+    trace = poutine.trace(at_latent_values(sharpness_aware(model, rho), {"sigma": sigma})).get_trace(data)
     dnll_dsigma = len(data) / sigma - (data**2).sum() / sigma**3
     perturbed = sigma * torch.exp(rho * torch.sign(dnll_dsigma * sigma))
     # exp(log(sigma) + eps) is exact only up to rounding: relative tolerance
@@ -242,3 +243,137 @@ def test_no_latent_site():
 
     with pytest.raises(ValueError, match="no latent sample site"):
         poutine.trace(sharpness_aware(model, 0.1)).get_trace(torch.tensor(0.5))
+
+
+# ----------------------------------------------------------------------------- handlers applied outside the transform
+
+
+def _density(model, values, *args, **kwargs):
+    """log p of ``model`` with its latent sites replayed at ``values`` (as a guide's values are)."""
+    trace = poutine.Trace()
+    for name, value in values.items():
+        trace.add_node(name, type="sample", value=value, is_observed=False, infer={}, fn=None)
+    return poutine.trace(poutine.replay(model, trace=trace)).get_trace(*args, **kwargs).log_prob_sum()
+
+
+def test_outer_condition_of_the_observations_is_the_same_density_as_inside():
+    # issue 11 item 5: the observation used to be taken for a latent (no SAM step, the unperturbed density)
+    features, targets = regression_data()
+    theta = {"theta": torch.tensor([0.3, -0.2], dtype=torch.float64)}
+    inside = _density(sharpness_aware(pyro.condition(regression_model, {"y": targets}), 0.4), theta, features)
+    outside = _density(pyro.condition(sharpness_aware(regression_model, 0.4), {"y": targets}), theta, features)
+    passed = _density(sharpness_aware(regression_model, 0.4), theta, features, targets)
+    plain = _density(regression_model, theta, features, targets)
+    torch.testing.assert_close(outside, inside, atol=1e-12, rtol=0)
+    torch.testing.assert_close(inside, passed, atol=1e-12, rtol=0)
+    assert (plain - inside).abs() > 1.0  # the SAM step moved the likelihood
+
+
+def test_outer_condition_gives_the_inside_gradient_under_svi():
+    features, targets = regression_data()
+    grads = []
+    for model in (sharpness_aware(pyro.condition(regression_model, {"y": targets}), 0.4),
+                  pyro.condition(sharpness_aware(regression_model, 0.4), {"y": targets})):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(regression_model)
+        guide(features, targets)  # set up with "y" observed
+        pyro.set_rng_seed(1)
+        loss = Trace_ELBO().loss_and_grads(model, guide, features)
+        grads.append((loss, pyro.param("AutoNormal.locs.theta").unconstrained().grad.clone()))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12)
+    torch.testing.assert_close(grads[1][1], grads[0][1], atol=1e-12, rtol=1e-12)
+
+
+def test_conditioning_every_latent_from_outside_evaluates_the_density_there():
+    # the potential of Pyro's HMC/NUTS (and Predictive with posterior_samples) condition every latent site while
+    # the model observes its data itself: those are latent values, not observations
+    features, targets = regression_data()
+    theta = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    conditioned = poutine.trace(pyro.condition(sharpness_aware(regression_model, 0.4), {"theta": theta})).get_trace(
+        features, targets).log_prob_sum()
+    at_values = poutine.trace(at_latent_values(sharpness_aware(regression_model, 0.4), {"theta": theta})).get_trace(
+        features, targets).log_prob_sum()
+    torch.testing.assert_close(conditioned, at_values, atol=1e-12, rtol=0)
+
+
+def test_ambiguous_outer_conditioning_names_the_sites():
+    def model(x, y1=None, y2=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        pyro.sample("y1", dist.Normal(w * x, 1.0).to_event(1), obs=y1)
+        pyro.sample("y2", dist.Normal(w * x, 1.0).to_event(1), obs=y2)
+
+    x = torch.linspace(0, 1, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"the sites \['y2'\] are conditioned outside .* ambiguous"):
+        poutine.trace(pyro.condition(sharpness_aware(model, 0.1), {"y2": x})).get_trace(x, x)
+
+
+def test_outer_do_is_refused_with_the_site_name():
+    features, targets = regression_data()
+    intervened = poutine.do(sharpness_aware(regression_model, 0.1), {"theta": torch.zeros(2, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="poutine.do intervenes on site 'theta' from outside"):
+        poutine.trace(intervened).get_trace(features, targets)
+
+
+def test_outer_selective_block_is_the_same_density_as_inside():
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        b = pyro.sample("b", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(w * x + b, 1.0), obs=y)
+
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)
+    y = 0.5 * x + 0.2
+    values = {"w": torch.tensor(0.4, dtype=torch.float64)}
+    for hidden in (["b"], ["y"]):
+        densities = []
+        for program in (poutine.block(sharpness_aware(model, 0.3), hide=hidden),
+                        sharpness_aware(poutine.block(model, hide=hidden), 0.3)):
+            pyro.set_rng_seed(0)  # "b" is drawn from its prior when hidden from the replay
+            densities.append(_density(program, values, x, y))
+        torch.testing.assert_close(densities[0], densities[1], atol=1e-12, rtol=0)
+
+
+def test_predictive_with_posterior_samples_on_the_transform():
+    features, targets = regression_data()
+    samples = {"theta": torch.randn(5, 2, dtype=torch.float64)}
+    out = Predictive(sharpness_aware(regression_model, 0.2), posterior_samples=samples)(features)
+    ref = Predictive(regression_model, posterior_samples=samples)
+    pyro.set_rng_seed(0)
+    assert out["y"].shape == (5, len(features)) and ref(features)["y"].shape == out["y"].shape
+
+
+# ----------------------------------------------------------------------------------------------- clear errors
+
+
+def test_huge_rho_names_the_site_that_left_its_support():
+    def model(x, y=None):
+        s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(0.0, s), obs=y)
+
+    x = torch.randn(10, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"rho=1000000.0.*the perturbed values of the sites \[.s.\] are not finite"):
+        _density(sharpness_aware(model, 1e6), {"s": torch.tensor(1.3, dtype=torch.float64)}, x, x)
+
+
+def test_nan_data_error_names_the_site():
+    features, targets = regression_data()
+    targets = targets.clone()
+    targets[2] = float("nan")
+    with pytest.raises(ValueError, match="at site 'y'"):
+        _density(sharpness_aware(regression_model, 0.1), {"theta": torch.zeros(2, dtype=torch.float64)},
+                 features, targets)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")
+def test_jit_trace_is_refused_clearly():
+    from pyro.infer import JitTrace_ELBO
+
+    features, targets = regression_data()
+    guide = AutoNormal(regression_model)
+    guide(features, targets)
+    with pytest.raises(NotImplementedError, match="cannot be compiled with torch.jit.trace"):
+        JitTrace_ELBO(ignore_jit_warnings=True).loss_and_grads(
+            sharpness_aware(regression_model, 0.1), guide, features, targets
+        )

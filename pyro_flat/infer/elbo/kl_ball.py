@@ -7,16 +7,19 @@ around the current one,
     \mathbb E_{\theta\sim q_{\phi'}}\big[-\log p(\mathcal D\mid\theta)\big]
     \;+\; \beta\,\mathrm{KL}\big(q_\phi\,\|\,p\big),
 
-where :math:`q_\phi` is the guide (parameters :math:`\phi`, the tensors Pyro's optimiser updates), :math:`p` the
-prior, :math:`\gamma` the radius (nats) and :math:`\beta` ``kl_weight``. The inner maximum is replaced by one
-linearised step (see :mod:`pyro_flat.ops.fisher`):
+where :math:`q_\phi` is the guide (parameters :math:`\phi`: every ``pyro.param`` of the guide, i.e. the tensors
+Pyro's optimiser updates, in their unconstrained form), :math:`p` the prior, :math:`\gamma` the radius (nats) and
+:math:`\beta` ``kl_weight``. The inner maximum is replaced by one linearised step,
 
 .. math:: \delta^* = \sqrt{2\gamma}\;\frac{F_\phi^{-1} g}{\sqrt{g^\top F_\phi^{-1} g}},\qquad
     g = \nabla_\phi\, \big[-\log p(\mathcal D_B\mid\theta)\big]_{\theta = f_\phi(\epsilon)},
 
-with :math:`F_\phi` the Fisher of the guide with respect to its own parameters, :math:`f_\phi(\epsilon)` the
+with :math:`F_\phi` the Fisher information of the guide in its own parameters (the Hessian of
+:math:`\phi'\mapsto\mathrm{KL}(q_{\phi'}\|q_\phi)` at :math:`\phi'=\phi`), :math:`f_\phi(\epsilon)` the
 reparameterised draw and :math:`\mathcal D_B` the minibatch (log-likelihood scaled by :math:`N/B` by the model's
-``pyro.plate``).
+``pyro.plate``). :math:`F^{-1}g` is in closed form for Pyro's Gaussian autoguides (:mod:`pyro_flat.ops.fisher`) and
+found by conjugate gradients on Fisher-vector products (automatic differentiation of the analytic KL divergence of
+every guide site, at the sampled values of its parents) for any other reparameterised guide.
 
 References:
     [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
@@ -26,243 +29,157 @@ References:
 from __future__ import annotations
 
 import math
-import weakref
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 
+import pyro.distributions as dist
 import torch
 from pyro import poutine
-from pyro.distributions.transforms import Transform
 from pyro.infer import Trace_ELBO
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
-from pyro.infer.util import is_validation_enabled, torch_item
-from pyro.nn import PyroModule
-from pyro.poutine.util import prune_subsample_sites, site_is_subsample
-from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape, warn_if_nan
-from torch import Tensor, nn
-from torch.distributions import transform_to
+from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
+from pyro.infer.util import is_validation_enabled
+from pyro.poutine.guide import GuideMessenger
+from pyro.poutine.util import site_is_subsample
+from torch import Tensor
+from torch.distributions import kl_divergence, transform_to
 
 from ...distributed import all_reduce_mean, check_distributed
 from ...ops.fisher import (
+    conjugate_gradient,
     diagonal_gaussian_inverse_fisher_product,
     kl_ball_step,
     low_rank_gaussian_inverse_fisher_product,
     normalized_score_step,
 )
 from ...ops.sam import check_radius
+from ..replay import RunRecorder, substituted_tensors
 
 __all__ = ["KLBallELBO"]
 
-SUPPORTED_GUIDES = (
-    "pyro.infer.autoguide.AutoNormal, pyro.infer.autoguide.AutoDiagonalNormal and "
-    "pyro.infer.autoguide.AutoLowRankMultivariateNormal (also its subclass "
-    "pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal, which starts from SWAG)"
-)
 DIRECTIONS = ("fisher", "normalized_score")
+FISHER = ("auto", "autodiff")
 
 
 @dataclass(frozen=True)
 class _GaussianBlock:
-    """The names of the param sites of one Gaussian of a guide: mean, scale and (low-rank guides) factor."""
+    """The unconstrained tensors of one Gaussian of a Pyro autoguide: mean, scale and (low-rank guides) factor."""
 
-    loc: str
-    scale: str
-    factor: str | None = None
-
-
-def _check_guide(guide: object) -> None:
-    if not isinstance(guide, (AutoNormal, AutoDiagonalNormal, AutoLowRankMultivariateNormal)):
-        raise ValueError(
-            f"KLBallELBO needs the closed-form Fisher of the guide and supports the guides {SUPPORTED_GUIDES}; got "
-            f"{type(guide).__name__}"
-        )
+    loc: Tensor
+    scale: Tensor
+    factor: Tensor | None = None
 
 
-def _guide_blocks(guide: AutoNormal | AutoDiagonalNormal | AutoLowRankMultivariateNormal) -> list[_GaussianBlock]:
-    prefix = guide._pyro_name
+def _closed_form_blocks(guide: object) -> list[_GaussianBlock] | None:
+    """The Gaussian blocks of the autoguides whose Fisher is known in closed form, else ``None``."""
     if isinstance(guide, AutoLowRankMultivariateNormal):
-        return [_GaussianBlock(f"{prefix}.loc", f"{prefix}.scale", f"{prefix}.cov_factor")]
+        return [_GaussianBlock(guide.loc, guide.scale_unconstrained, guide.cov_factor)]
     if isinstance(guide, AutoDiagonalNormal):
-        return [_GaussianBlock(f"{prefix}.loc", f"{prefix}.scale")]
-    return [
-        _GaussianBlock(f"{prefix}.locs.{name}", f"{prefix}.scales.{name}")
-        for name, _ in guide.prototype_trace.iter_stochastic_nodes()
-    ]
+        return [_GaussianBlock(guide.loc, guide.scale_unconstrained)]
+    if isinstance(guide, AutoNormal) and guide.prototype_trace is not None:
+        return [
+            _GaussianBlock(
+                attrgetter(f"{name}_unconstrained")(guide.locs), attrgetter(f"{name}_unconstrained")(guide.scales)
+            )
+            for name, _ in guide.prototype_trace.iter_stochastic_nodes()
+        ]
+    return None
 
 
-def _rng_state() -> tuple[Tensor, list[Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+def _point_mass(fn: dist.Distribution) -> dist.Delta | None:
+    """The ``Delta`` inside ``fn`` (through ``Independent``/``Masked``/``Expanded`` wrappers), or ``None``."""
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return fn if isinstance(fn, dist.Delta) else None
 
 
-def _set_rng_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+def _guide_parameters(guide_trace: poutine.Trace) -> dict[str, Tensor]:
+    """:math:`\\phi`: the unconstrained tensors behind the guide's param sites that require a gradient."""
+    leaves = {}
+    for name, site in guide_trace.nodes.items():
+        if site["type"] == "param":
+            value = site["value"]
+            unconstrained = getattr(value, "unconstrained", None)
+            leaf = value if unconstrained is None else unconstrained()
+            if leaf is not None and leaf.requires_grad:
+                leaves[name] = leaf
+    return leaves
 
 
-def _unconstrained(value: Tensor) -> Tensor:
-    """The tensor the optimiser updates behind a param site's value (a plain ``nn.Parameter`` is its own)."""
-    unconstrained = getattr(value, "unconstrained", None)
-    return value if unconstrained is None else unconstrained()
-
-
-@contextmanager
-def _plain_parameters_swapped(guide: PyroModule, values: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
-    """Temporarily put ``values`` in place of the guide's plain ``nn.Parameter`` attributes with those names, and yield
-    the remaining values (those of ``PyroParam`` s, for ``poutine.substitute``).
-
-    Pyro routes a ``PyroParam`` through ``pyro.param``, whose value handlers may replace, but it returns a plain
-    ``nn.Parameter`` attribute (e.g. ``AutoDiagonalNormal.loc``) itself, ignoring any handler; those are swapped in
-    the module for the duration of the perturbed pass instead (never mutated in place, so the first pass's autograd
-    graph stays valid).
-    """
-    swapped = []
-    try:
-        for module in guide.modules():
-            if not isinstance(module, PyroModule):
-                continue
-            for name in list(module._parameters):
-                if name.endswith("_unconstrained") and name[: -len("_unconstrained")] in module._pyro_params:
-                    continue  # the storage of a PyroParam
-                full_name = module._pyro_get_fullname(name)
-                if full_name in values:
-                    swapped.append((module, name, module._parameters[name], full_name))
-                    module._parameters[name] = values[full_name]
-        done = {full_name for *_, full_name in swapped}
-        yield {name: value for name, value in values.items() if name not in done}
-    finally:
-        for module, name, original, _ in swapped:
-            module._parameters[name] = original
-
-
-@contextmanager
-def _batchnorm_statistics_frozen(model: object) -> Iterator[None]:
-    """The BatchNorm layers of ``model`` (when it is an ``nn.Module``) keep their running statistics during the
-    perturbed pass: momentum 0 (as SAM implementations do), and ``num_batches_tracked`` restored afterwards."""
-    layers = []
-    if isinstance(model, nn.Module):
-        layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in layers]
-    try:
-        for layer in layers:
-            layer.momentum = 0.0
-        yield
-    finally:
-        for layer, momentum, tracked in saved:
-            layer.momentum = momentum
-            if tracked is not None:
-                layer.num_batches_tracked.copy_(tracked)
-
-
-def _subsample_sites(trace: poutine.Trace) -> poutine.Trace:
-    """A copy of ``trace`` with only its subsample sites (the minibatch indices drawn by subsampled plates)."""
-    kept = trace.copy()
-    for name, site in list(kept.nodes.items()):
-        if not site_is_subsample(site):
-            kept.remove_node(name)
-    return kept
-
-
-@dataclass
-class _FirstPass:
-    """The unperturbed pass of one particle: its terms, its parameters and what the perturbed pass must replay."""
-
-    data_term: Tensor  # -log p(D_B | theta), scaled by the plates
-    regulariser: Tensor  # log q(theta) - log p(theta)
-    params: dict[str, Tensor]  # constrained values of the guide's param sites
-    guide_trace: poutine.Trace
-    guide_subsample: poutine.Trace
-    model_subsample: poutine.Trace
+def _latent_guide_sites(trace: poutine.Trace) -> Iterator[tuple[str, dict]]:
+    for name, site in trace.nodes.items():
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site):
+            yield name, site
 
 
 class KLBallELBO(Trace_ELBO):
-    r"""SA-BMA's KL-ball adversarial ELBO [1], a :class:`~pyro.infer.Trace_ELBO` subclass that ``SVI.step`` uses
-    unchanged.
+    r"""SA-BMA's KL-ball adversarial ELBO [1], a :class:`~pyro.infer.Trace_ELBO` that ``SVI.step`` uses unchanged,
+    for any reparameterised guide.
 
     The negative objective, per particle, is
 
     .. math:: \mathcal L(\phi) = -\log p\big(\mathcal D_B \mid f_{\phi+\delta^*}(\epsilon)\big)
-        + \beta\,\big[\log q_\phi(f_\phi(\epsilon)) - \log p(f_\phi(\epsilon))\big],
+        + \beta\,\big[\log q_\phi(f_\phi(\epsilon)) - \log p(f_\phi(\epsilon))\big]
 
-    i.e. the data term at the perturbed guide :math:`\phi' = \phi + \delta^*` and the KL/prior term at the unperturbed
-    :math:`\phi`, both with the **same base noise** :math:`\epsilon` and the **same minibatch**. :math:`\delta^*` is
-    a constant (no gradient flows through it), so the gradient is that of the data term taken at :math:`\phi'` and
-    applied at :math:`\phi`, as in SAM. One step costs two forward and two backward passes of the model.
+    (symbols in the module docstring): the data term at the perturbed guide :math:`\phi+\delta^*` and the KL/prior
+    term at :math:`\phi`, with the **same base noise** :math:`\epsilon`, the same minibatch (every subsampled plate of
+    the model and the guide) and the same dropout masks: the perturbed pass replays the first
+    (:mod:`pyro_flat.infer.replay`). :math:`\delta^*` is a constant, so the gradient is that of the data term at
+    :math:`\phi+\delta^*` applied at :math:`\phi`, as in SAM. It is ``Trace_ELBO`` run on these two traces, so
+    ``loss``, ``differentiable_loss`` and ``loss_and_grads`` agree; with ``radius=0`` and ``kl_weight=1`` it is
+    ``Trace_ELBO``, draw for draw. One step costs two model passes (forward and backward).
 
     Directions (``direction``):
 
-    * ``"fisher"`` (default, the paper's update): :math:`\delta^* = \sqrt{2\gamma}\,F^{-1}g/\sqrt{g^\top F^{-1}g}`
-      with :math:`g` the gradient of the data term at :math:`\phi` and :math:`F` the Fisher of the guide in the
-      parameters actually optimised (the unconstrained, e.g. softplus-inverse, scale). Closed form for
-      ``AutoNormal`` / ``AutoDiagonalNormal`` (exact: :math:`F_m = 1/s^2`, :math:`F_u = 2T'(u)^2/s^2`), so
-      :math:`\mathrm{KL}(q_{\phi'}\|q_\phi) = \gamma + O(\gamma^{3/2})`; for the low-rank-plus-diagonal guide
-      (``AutoLowRankMultivariateNormal`` and its SWAG-initialised subclass
-      :class:`~pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal`) exact in the mean (:math:`F_m^{-1} =
-      \Sigma`) and the Fisher of the augmented sampling process in the scale and factor, an upper bound of the true
-      Fisher, so :math:`\mathrm{KL}(q_{\phi'}\|q_\phi) \le \gamma` to second order (:mod:`pyro_flat.ops.fisher`).
-    * ``"normalized_score"`` — **the variant of the authors' released code** (github.com/SungJun98/SA-BMA,
-      ``SABMA_optim.first_step``), not the paper's update: :math:`\delta_k = \sqrt{2\gamma}\,s_k/\|s_k\|_2` for
-      each block :math:`k` (all means, all scales, all factors) of the score :math:`s=\nabla_\phi\log
-      q_\phi(\theta)` at the sampled :math:`\theta`. It ignores the loss, so it is a random rather than an
-      adversarial perturbation; it is offered to reproduce the published numbers.
+    * ``"fisher"`` (default, the paper's update): :math:`\delta^*` above. :math:`F^{-1}g` is exact for ``AutoNormal``
+      and ``AutoDiagonalNormal``; for ``AutoLowRankMultivariateNormal`` (and
+      :class:`~pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal`) exact in the mean and the Fisher of the
+      augmented sampling process in the scale and factor, an upper bound of the true Fisher (whose factor block
+      vanishes at a zero factor), so :math:`\mathrm{KL}(q_{\phi+\delta^*}\|q_\phi)\le\gamma` to second order. Any other
+      guide (hand-written, ``AutoMultivariateNormal``, ``AutoGuideList``, amortised guides with ``pyro.module``
+      networks) uses conjugate gradients on :math:`(F+\lambda I)x=g` with Fisher-vector products from the analytic KL
+      divergences of its sites, :math:`\lambda` = ``cg_damping`` times the curvature along :math:`g`
+      (:func:`~pyro_flat.ops.fisher.conjugate_gradient`); ``fisher="autodiff"`` forces this path.
+    * ``"normalized_score"`` — **the variant of the authors' released code** (github.com/SungJun98/SA-BMA), not the
+      paper's update: :math:`\delta_k = \sqrt{2\gamma}\,s_k/\|s_k\|_2` per block :math:`k` of the score
+      :math:`s=\nabla_\phi\log q_\phi(\theta)` at the sampled :math:`\theta` (blocks: all means, all scales, all
+      factors of an autoguide; one block per parameter of any other guide). It ignores the loss: a random rather than
+      an adversarial perturbation, offered to reproduce the published numbers.
 
-    Special cases [derived]: with ``radius=0`` and ``kl_weight=1`` the loss and gradients are those of
-    ``Trace_ELBO`` (same seed); for a guide with fixed isotropic scale :math:`s` and only the mean learned,
-    :math:`\delta^* = s\sqrt{2\gamma}\,g/\|g\|_2`, SAM's normalised gradient with radius :math:`s\sqrt{2\gamma}`.
+    For a guide with fixed isotropic scale :math:`s` and only the mean learned, :math:`\delta^* = s\sqrt{2\gamma}\,
+    g/\|g\|_2`: SAM's normalised gradient with radius :math:`s\sqrt{2\gamma}`. Parameters held fixed
+    (``requires_grad=False``) are not part of :math:`\phi`; parameters of the *model* are never perturbed.
 
-    Parameters held fixed (``requires_grad=False`` on the unconstrained tensor, e.g. a frozen scale) are not part of
-    :math:`\phi`: they are neither perturbed nor counted in the Fisher normalisation. Parameters of the *model*
-    (``pyro.param`` sites outside the guide) are never perturbed.
-
-    :param float radius: the KL radius :math:`\gamma \ge 0` in nats (required). For the ``"normalized_score"``
-        direction every block moves by :math:`\rho=\sqrt{2\gamma}` in Euclidean norm (the code's ``rho``; the
-        authors' README uses :math:`\rho = 0.5`, i.e. :math:`\gamma = 0.125`).
-    :param str direction: ``"fisher"`` (default, the paper) or ``"normalized_score"`` (the authors' code).
-    :param float kl_weight: :math:`\beta \ge 0`, the weight of :math:`\log q - \log p` (default 1, the ELBO, so
-        that the guide approximates a Bayesian posterior and ``radius=0`` is ``Trace_ELBO``). The authors' code
-        defaults to :math:`\beta = 0` (``kl_eta``), which drops the prior and the entropy: the scales then shrink
-        towards a point mass unless training stops early.
-    :param trace_elbo_kwargs: passed to :class:`~pyro.infer.Trace_ELBO` (``num_particles``, ``max_plate_nesting``,
-        ``vectorize_particles``, ``retain_graph``). With ``vectorize_particles=True`` one perturbation is computed
-        from the gradient summed over the vectorised particles; otherwise each particle has its own.
-    :param bool distributed: data-parallel training (:mod:`pyro_flat.distributed`): the data-term gradient :math:`g`
-        of the Fisher direction is averaged over the ranks before :math:`\delta^*` is formed, so every rank perturbs
-        by the ascent of the combined batch; default ``False``. (The normalised score does not depend on the data:
-        it is the same on every rank without communication.)
+    :param float radius: :math:`\gamma\ge0` in nats (required). With ``"normalized_score"`` every block moves by
+        :math:`\sqrt{2\gamma}` in Euclidean norm (the code's ``rho``; its README uses 0.5, i.e. :math:`\gamma=0.125`).
+    :param str direction: ``"fisher"`` (default) or ``"normalized_score"``.
+    :param float kl_weight: :math:`\beta\ge0` (default 1, the ELBO). The authors' code uses 0, which drops the prior
+        and the entropy: the scales then shrink towards a point mass unless training stops early.
+    :param str fisher: ``"auto"`` (closed form where known, default) or ``"autodiff"`` (always conjugate gradients).
+    :param int cg_iterations: conjugate-gradient iterations of the autodiff path (default 20).
+    :param float cg_damping: relative damping :math:`\ge0` of the autodiff path (default :math:`10^{-6}`).
+    :param bool distributed: data-parallel training (:mod:`pyro_flat.distributed`): :math:`g` is averaged over the
+        ranks before :math:`\delta^*` is formed; default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
+    :param trace_elbo_kwargs: :class:`~pyro.infer.Trace_ELBO` options. With ``vectorize_particles=True`` one
+        perturbation is computed from the gradient summed over the vectorised particles.
+    :raises ValueError: for bad options; at the first step, for ``AutoDelta`` (a point mass has no KL ball), a
+        guide site without ``rsample``, an enumerated site, a guide site whose KL divergence has no closed form
+        (``"fisher"``; use ``"normalized_score"``), or a model without an observed site.
 
-    Supported guides: :class:`~pyro.infer.autoguide.AutoNormal`, :class:`~pyro.infer.autoguide.AutoDiagonalNormal`
-    and :class:`~pyro.infer.autoguide.AutoLowRankMultivariateNormal`, including its subclass
-    :class:`~pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal` (any other guide is a ``ValueError``).
-
-    .. note:: BatchNorm layers of the model (when the model is an ``nn.Module``) do not update their running
-        statistics in the perturbed pass (momentum 0 for that pass, as in SAM implementations).
-
-    .. note:: The same base noise is obtained by replaying the random-number generator: the state before the guide's
-        first pass is restored for the perturbed pass (and the state after the first pass is restored afterwards,
-        so the random stream continues exactly as under ``Trace_ELBO``). The minibatch indices of subsampled plates
-        are replayed explicitly from the first pass. Other randomness inside the *model* (e.g. dropout masks) is
-        redrawn in the perturbed pass when the model also subsamples.
-
-    .. warning:: Every entry point, ``loss`` (and ``SVI.evaluate_loss``) included, needs one gradient evaluation to
-        find :math:`\delta^*`; the first pass therefore runs with autograd enabled even under ``torch.no_grad()``.
+    .. note:: Every entry point, ``loss`` (and ``SVI.evaluate_loss``) included, needs one gradient evaluation to find
+        :math:`\delta^*`; the first pass runs with autograd enabled even under ``torch.no_grad()``.
 
     Example::
 
         guide = AutoNormal(model, init_loc_fn=init_to_network(model))
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss=KLBallELBO(radius=0.05))
-        for step in range(1000):
-            svi.step(x, y, subsample_size=128)
-        probs = Predictive(model, guide=guide, num_samples=30, return_sites=["logits"])(x_test)
+        svi.step(x, y, subsample_size=128)
 
     References:
         [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
             Hoyoon Byun, Jinho Kang, Yohan Jung, Jiyoung Jung, Kyungwoo Song (2024), arXiv:2406.15664
-        [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-            Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
     """
 
     def __init__(
@@ -271,221 +188,257 @@ class KLBallELBO(Trace_ELBO):
         *,
         direction: str = "fisher",
         kl_weight: float = 1.0,
+        fisher: str = "auto",
+        cg_iterations: int = 20,
+        cg_damping: float = 1e-6,
         distributed: bool = False,
         process_group: object | None = None,
         **trace_elbo_kwargs: object,
     ) -> None:
         self.radius = check_radius(radius, "radius")
-        if not isinstance(distributed, bool):
-            raise ValueError(f"`distributed` must be a bool, got {distributed!r}")
-        self.distributed, self.process_group = distributed, process_group
         if direction not in DIRECTIONS:
-            raise ValueError(f"`direction` must be one of {DIRECTIONS}, got {direction!r}")
+            raise ValueError(f"KLBallELBO: `direction` must be one of {DIRECTIONS}, got {direction!r}")
+        if fisher not in FISHER:
+            raise ValueError(f"KLBallELBO: `fisher` must be one of {FISHER}, got {fisher!r}")
         if isinstance(kl_weight, bool) or not (isinstance(kl_weight, (int, float)) and 0 <= kl_weight < math.inf):
-            raise ValueError(f"`kl_weight` must be a finite number >= 0, got {kl_weight!r}")
-        self.direction = direction
+            raise ValueError(f"KLBallELBO: `kl_weight` must be a finite number >= 0, got {kl_weight!r}")
+        if isinstance(cg_iterations, bool) or not isinstance(cg_iterations, int) or cg_iterations < 1:
+            raise ValueError(f"KLBallELBO: `cg_iterations` must be an int >= 1, got {cg_iterations!r}")
+        if isinstance(cg_damping, bool) or not (isinstance(cg_damping, (int, float)) and 0 <= cg_damping < math.inf):
+            raise ValueError(f"KLBallELBO: `cg_damping` must be a finite number >= 0, got {cg_damping!r}")
+        if not isinstance(distributed, bool):
+            raise ValueError(f"KLBallELBO: `distributed` must be a bool, got {distributed!r}")
+        self.direction, self.fisher = direction, fisher
         self.kl_weight = float(kl_weight)
+        self.cg_iterations, self.cg_damping = cg_iterations, float(cg_damping)
+        self.distributed, self.process_group = distributed, process_group
+        self._guide: object = None
         super().__init__(**trace_elbo_kwargs)
 
     # ---------------------------------------------------------------------------------------------------------------
-    # the two passes of one particle
+    # Trace_ELBO's machinery, with the perturbed data term swapped into the model trace
 
-    def _first_pass(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> _FirstPass:
-        guide_trace = poutine.trace(guide, graph_type="flat").get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace), graph_type="flat").get_trace(
-            *args, **kwargs
-        )
-        if is_validation_enabled():
-            check_model_guide_match(model_trace, guide_trace, self.max_plate_nesting)
-            check_if_enumerated(guide_trace)
-        guide_subsample, model_subsample = _subsample_sites(guide_trace), _subsample_sites(model_trace)
-        guide_trace, model_trace = prune_subsample_sites(guide_trace), prune_subsample_sites(model_trace)
-        model_trace.compute_log_prob()
-        guide_trace.compute_log_prob()
-        data_term, regulariser, observed = 0.0, 0.0, False
-        for site in model_trace.nodes.values():
-            if site["type"] != "sample":
-                continue
-            if is_validation_enabled():
-                check_site_shape(site, self.max_plate_nesting)
-            if site["is_observed"]:
-                data_term, observed = data_term - site["log_prob_sum"], True
-            else:
-                regulariser = regulariser - site["log_prob_sum"]
-        if not observed:
-            raise ValueError("KLBallELBO: the model has no observed sample site, so there is no data term to perturb")
-        for site in guide_trace.nodes.values():
-            if site["type"] == "sample":
-                regulariser = regulariser + site["log_prob_sum"]
-        params = {name: site["value"] for name, site in guide_trace.nodes.items() if site["type"] == "param"}
-        return _FirstPass(data_term, regulariser, params, guide_trace, guide_subsample, model_subsample)
+    def _get_traces(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> Iterator:
+        self._check_guide(guide)
+        return super()._get_traces(model, guide, args, kwargs)
 
-    def _leaves(self, guide: object, first: _FirstPass) -> tuple[list[_GaussianBlock], dict[str, Tensor]]:
-        """The guide's Gaussian blocks and the unconstrained tensors :math:`\\phi` that require a gradient."""
-        blocks = _guide_blocks(guide)
-        leaves = {}
-        for block in blocks:
-            for name in (block.loc, block.scale, block.factor):
-                if name is None:
-                    continue
-                if name not in first.params:
-                    raise ValueError(f"KLBallELBO: the guide did not emit the parameter {name!r}")
-                leaf = _unconstrained(first.params[name])
-                if leaf.requires_grad:
-                    leaves[name] = leaf
-        if not leaves:
-            raise ValueError("KLBallELBO: no parameter of the guide requires a gradient; there is nothing to perturb")
-        return blocks, leaves
+    def _check_guide(self, guide: Callable) -> None:
+        if isinstance(guide, AutoDelta):
+            raise ValueError(
+                "KLBallELBO: AutoDelta is a point mass, and a point mass has no KL ball (KL(q'||q) is infinite for any "
+                "move). Use SharpnessAwareELBO with AutoDelta (that is SAM), or a Gaussian guide with KLBallELBO"
+            )
+        if isinstance(poutine.unwrap(guide), GuideMessenger):
+            raise ValueError(
+                f"KLBallELBO: guides that are effect handlers ({type(guide).__name__}) are not supported; use the "
+                "equivalent AutoGuide (e.g. AutoNormal for AutoNormalMessenger)"
+            )
+        self._guide = guide  # the vectorised path wraps the guide; keep the object for the closed-form Fisher
 
-    def _fisher_perturbation(
-        self, blocks: list[_GaussianBlock], leaves: dict[str, Tensor], first: _FirstPass, scale_transform: Transform
-    ) -> dict[str, Tensor]:
-        names = list(leaves)
-        grads = torch.autograd.grad(first.data_term, [leaves[n] for n in names], retain_graph=True, allow_unused=True)
-        grad = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads, strict=True)}
-        if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
-            check_distributed("KLBallELBO")
-            grad = dict(zip(names, all_reduce_mean([grad[n] for n in names], self.process_group), strict=True))
-        if is_validation_enabled():
-            for name in names:
-                if not bool(torch.isfinite(grad[name]).all()):
-                    raise FloatingPointError(
-                        f"KLBallELBO: the gradient of the data term with respect to the guide parameter {name!r} is "
-                        "not finite; the model's log-likelihood diverged at the current guide parameters"
-                    )
-        ordered_grads, ordered_directions, ordered_names = [], [], []
-        for block in blocks:
-            scale = first.params[block.scale].detach()
-            raw_scale = _unconstrained(first.params[block.scale]).detach()
-            scale_derivative = scale_transform.log_abs_det_jacobian(raw_scale, scale).exp()
-            g_loc, g_scale = grad.get(block.loc), grad.get(block.scale)
-            if block.factor is None:
-                parts = diagonal_gaussian_inverse_fisher_product(g_loc, g_scale, scale, scale_derivative)
-                block_names = (block.loc, block.scale)
-            else:
-                factor = first.params[block.factor].detach()
-                parts = low_rank_gaussian_inverse_fisher_product(
-                    g_loc, g_scale, grad.get(block.factor), scale, scale_derivative, factor
-                )
-                block_names = (block.loc, block.scale, block.factor)
-            for name, direction in zip(block_names, parts, strict=True):
-                if direction is not None:
-                    ordered_names.append(name)
-                    ordered_grads.append(grad[name])
-                    ordered_directions.append(direction)
-        steps = kl_ball_step(ordered_grads, ordered_directions, self.radius)
-        return dict(zip(ordered_names, steps, strict=True))
-
-    def _score_perturbation(
-        self, blocks: list[_GaussianBlock], leaves: dict[str, Tensor], first: _FirstPass
-    ) -> dict[str, Tensor]:
-        log_q = sum(
-            site["fn"].log_prob(site["value"].detach()).sum()
-            for site in first.guide_trace.nodes.values()
-            if site["type"] == "sample" and site["infer"].get("is_auxiliary", False)
-        )
-        names = list(leaves)
-        scores = torch.autograd.grad(log_q, [leaves[n] for n in names], retain_graph=True, allow_unused=True)
-        score = {n: torch.zeros_like(leaves[n]) if s is None else s for n, s in zip(names, scores, strict=True)}
-        roles = [[getattr(b, role) for b in blocks] for role in ("loc", "scale", "factor")]
-        roles = [[n for n in members if n in leaves] for members in roles]
-        roles = [members for members in roles if members]
-        steps = normalized_score_step([[score[n] for n in members] for members in roles], self.radius)
-        return {n: s for members, block in zip(roles, steps, strict=True) for n, s in zip(members, block, strict=True)}
-
-    def _perturbation(self, guide: object, first: _FirstPass) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        blocks, leaves = self._leaves(guide, first)
-        if self.direction == "fisher":
-            delta = self._fisher_perturbation(blocks, leaves, first, transform_to(guide.scale_constraint))
-        else:
-            delta = self._score_perturbation(blocks, leaves, first)
-        return leaves, delta
-
-    def _perturbed_values(self, guide: object, leaves: dict[str, Tensor], delta: dict[str, Tensor]) -> dict:
-        """Constrained values of the perturbed parameters, differentiable in the unconstrained tensors."""
-        scale_names = {block.scale for block in _guide_blocks(guide)}
-        scale_transform = transform_to(guide.scale_constraint)
-        values = {}
-        for name, leaf in leaves.items():
-            shifted = leaf + delta[name]
-            value = scale_transform(shifted) if name in scale_names else shifted
-            value.unconstrained = weakref.ref(leaf)  # what SVI.step reads from the param sites it captures
-            values[name] = value
-        return values
-
-    def _particle_loss(
-        self, model: Callable, guide: Callable, model_object: object, guide_object: object, args: tuple, kwargs: dict
-    ) -> Tensor:
-        """The differentiable loss of one particle (its value is the loss; all supported guides are reparameterised)."""
-        state_before = _rng_state()
+    def _get_trace(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple:
         with torch.enable_grad():  # delta* needs a gradient even under torch.no_grad() (SVI.evaluate_loss)
-            first = self._first_pass(model, guide, args, kwargs)
-            leaves, delta = self._perturbation(guide_object, first)
-        state_after = _rng_state()
-        _set_rng_state(state_before)  # the same base noise for the perturbed guide
-        try:
-            values = self._perturbed_values(guide_object, leaves, delta)
-            with _plain_parameters_swapped(guide_object, values) as param_values:
-                perturbed_guide = poutine.substitute(guide, data=param_values)
-                perturbed_guide = poutine.replay(perturbed_guide, trace=first.guide_subsample)
-                guide_trace = poutine.trace(perturbed_guide, graph_type="flat").get_trace(*args, **kwargs)
-            replayed_model = poutine.replay(poutine.replay(model, trace=first.model_subsample), trace=guide_trace)
-            with _batchnorm_statistics_frozen(model_object):
-                model_trace = poutine.trace(replayed_model, graph_type="flat").get_trace(*args, **kwargs)
-        finally:
-            _set_rng_state(state_after)
-        model_trace = prune_subsample_sites(model_trace)
-        model_trace.compute_log_prob(site_filter=lambda _, site: site["is_observed"])
+            model_trace, guide_trace, run = self._first_pass(model, guide, args, kwargs)
+            leaves = _guide_parameters(guide_trace)
+            if not leaves:
+                raise ValueError("KLBallELBO: no parameter of the guide requires a gradient: nothing to perturb")
+            delta = self._perturbation(leaves, model_trace, guide_trace, run, guide, args, kwargs)
+        moved = [(leaf, leaf + delta[name]) for name, leaf in leaves.items() if name in delta]
+        with run.replay(), substituted_tensors(moved):
+            perturbed, _ = super()._get_trace(model, guide, args, kwargs)
+        for name, site in model_trace.nodes.items():
+            if site["type"] == "sample" and site["is_observed"]:
+                model_trace.nodes[name] = perturbed.nodes[name]
+            elif site["type"] == "sample" and self.kl_weight != 1.0:
+                _scale_site(site, self.kl_weight)
+        if self.kl_weight != 1.0:
+            for _, site in _latent_guide_sites(guide_trace):
+                _scale_site(site, self.kl_weight)
+        return model_trace, guide_trace
+
+    def _first_pass(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple:
+        """``Trace_ELBO``'s traces, recorded for the replay; this ELBO's refusals come before Pyro's warnings about
+        the same sites (e.g. an enumerated site "in the model but not the guide")."""
+        with warnings.catch_warnings(record=True) as caught, RunRecorder() as run:
+            warnings.simplefilter("always")
+            model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
+        self._check_traces(model_trace, guide_trace)
+        for warning in caught:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return model_trace, guide_trace, run
+
+    def _check_traces(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> None:
+        for name, site in _latent_guide_sites(guide_trace):
+            if not site["fn"].has_rsample:
+                raise ValueError(
+                    f"KLBallELBO: guide site {name!r} ({type(site['fn']).__name__}) is not reparameterisable; the "
+                    "perturbed pass must move the sampled value with the guide's parameters, so every latent site "
+                    "of the guide must have rsample (discrete latents must be marginalised or conditioned)"
+                )
+        for name, site in model_trace.nodes.items():
+            if site["type"] == "sample" and site["infer"].get("enumerate"):
+                raise ValueError(
+                    f"KLBallELBO: model site {name!r} is marked for enumeration ({site['infer']['enumerate']!r}); "
+                    "KLBallELBO does not enumerate discrete sites (it is a Trace_ELBO): marginalise it in the model"
+                )
+        if not any(site["type"] == "sample" and site["is_observed"] for site in model_trace.nodes.values()):
+            raise ValueError("KLBallELBO: the model has no observed sample site, so there is no data term to perturb")
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # delta*
+
+    def _perturbation(
+        self, leaves: dict[str, Tensor], model_trace: poutine.Trace, guide_trace: poutine.Trace, run: RunRecorder,
+        guide: Callable, args: tuple, kwargs: dict,
+    ) -> dict[str, Tensor]:
+        names = list(leaves)
+        blocks = _closed_form_blocks(self._guide) if self.fisher == "auto" else None
+        if self.direction == "normalized_score":
+            at_sample = self._guide_at_sample(guide_trace, run, guide, args, kwargs)
+            log_q = sum(
+                site["fn"].log_prob(site["value"]).sum()
+                for _, site in _latent_guide_sites(at_sample) if _point_mass(site["fn"]) is None
+            )
+            scores = dict(zip(names, _grads(log_q, [leaves[n] for n in names]), strict=True))
+            roles = self._roles(blocks, leaves)
+            steps = normalized_score_step([[scores[n] for n in role] for role in roles], self.radius)
+            return {n: s for role, step in zip(roles, steps, strict=True) for n, s in zip(role, step, strict=True)}
         data_term = -sum(
             site["log_prob_sum"]
             for site in model_trace.nodes.values()
             if site["type"] == "sample" and site["is_observed"]
         )
-        return data_term + self.kl_weight * first.regulariser
-
-    def _particle_losses(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> Iterator[Tensor]:
-        _check_guide(guide)
-        if self.vectorize_particles:
-            if self.max_plate_nesting == float("inf"):
-                self._guess_max_plate_nesting(model, guide, args, kwargs)
-            vectorized = self._vectorized_num_particles(model), self._vectorized_num_particles(guide)
-            yield self._particle_loss(*vectorized, model, guide, args, kwargs)
+        grads = _grads(data_term, [leaves[n] for n in names], retain_graph=True)
+        if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
+            check_distributed("KLBallELBO")
+            grads = all_reduce_mean(grads, self.process_group)
+        if is_validation_enabled():
+            for name, g in zip(names, grads, strict=True):
+                if not bool(torch.isfinite(g).all()):
+                    raise FloatingPointError(
+                        f"KLBallELBO: the gradient of the data term with respect to the guide parameter {name!r} is "
+                        "not finite; the model's log-likelihood diverged at the current guide parameters"
+                    )
+        grad = dict(zip(names, grads, strict=True))
+        if blocks is not None:
+            directions = self._closed_form_directions(blocks, leaves, grad)
         else:
-            for _ in range(self.num_particles):
-                yield self._particle_loss(model, guide, model, guide, args, kwargs)
+            fvp = self._fisher_product(leaves, guide_trace, run, guide, args, kwargs)
+            solution = conjugate_gradient(fvp, grads, iterations=self.cg_iterations, damping=self.cg_damping)
+            directions = dict(zip(names, solution, strict=True))
+        ordered = [n for n in names if n in directions]
+        steps = kl_ball_step([grad[n] for n in ordered], [directions[n] for n in ordered], self.radius)
+        return dict(zip(ordered, steps, strict=True))
 
-    # ---------------------------------------------------------------------------------------------------------------
-    # Pyro's ELBO interface: one code path for all three entry points
+    def _closed_form_directions(
+        self, blocks: list[_GaussianBlock], leaves: dict[str, Tensor], grad: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """:math:`F^{-1}g` for Pyro's Gaussian autoguides (:mod:`pyro_flat.ops.fisher`)."""
+        by_id = {id(leaf): name for name, leaf in leaves.items()}
+        scale_transform = transform_to(self._guide.scale_constraint)
+        directions = {}
+        for block in blocks:
+            loc_name, scale_name = by_id.get(id(block.loc)), by_id.get(id(block.scale))
+            factor_name = None if block.factor is None else by_id.get(id(block.factor))
+            raw_scale = block.scale.detach()
+            scale = scale_transform(raw_scale)
+            scale_derivative = scale_transform.log_abs_det_jacobian(raw_scale, scale).exp()
+            g_loc, g_scale = grad.get(loc_name), grad.get(scale_name)
+            if block.factor is None:
+                parts = diagonal_gaussian_inverse_fisher_product(g_loc, g_scale, scale, scale_derivative)
+                block_names = (loc_name, scale_name)
+            else:
+                parts = low_rank_gaussian_inverse_fisher_product(
+                    g_loc, g_scale, grad.get(factor_name), scale, scale_derivative, block.factor.detach()
+                )
+                block_names = (loc_name, scale_name, factor_name)
+            for name, direction in zip(block_names, parts, strict=True):
+                if name is not None and direction is not None:
+                    directions[name] = direction
+        return directions
 
-    def loss(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> float:
-        """The adversarial negative ELBO estimate (a float), averaged over ``num_particles``."""
-        loss = 0.0
-        for particle in self._particle_losses(model, guide, args, kwargs):
-            loss += torch_item(particle) / self.num_particles
-        warn_if_nan(loss, "loss")
-        return loss
+    @staticmethod
+    def _roles(blocks: list[_GaussianBlock] | None, leaves: dict[str, Tensor]) -> list[list[str]]:
+        """The blocks of the normalised score: per role (means, scales, factors) for the Gaussian autoguides, else
+        one per parameter."""
+        if blocks is None:
+            return [[name] for name in leaves]
+        by_id = {id(leaf): name for name, leaf in leaves.items()}
+        roles = [[by_id.get(id(getattr(b, role))) for b in blocks] for role in ("loc", "scale", "factor")]
+        return [[n for n in role if n is not None] for role in roles if any(n is not None for n in role)]
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> Tensor:
-        """The adversarial negative ELBO as a differentiable tensor (for ``ELBOModule`` and torch optimisers)."""
-        loss = sum(self._particle_losses(model, guide, args, kwargs)) / self.num_particles
-        warn_if_nan(loss, "loss")
-        return loss
+    def _guide_at_sample(
+        self, guide_trace: poutine.Trace, run: RunRecorder, guide: Callable, args: tuple, kwargs: dict,
+        constants: dict[str, Tensor] | None = None,
+    ) -> poutine.Trace:
+        """The guide run again with every latent value fixed at the first pass's (detached) sample and the subsample
+        indices replayed: its sites' distributions are :math:`q_\\phi(\\cdot\\mid\\text{parents})` at those values,
+        functions of :math:`\\phi` only — or constants, with ``constants`` (the parameters, detached, in their
+        place)."""
+        fixed = {name: site["value"].detach() for name, site in _latent_guide_sites(guide_trace)}
+        detached = [] if constants is None else [(leaf, leaf.detach()) for leaf in constants.values()]
+        with run.replay(values=fixed), substituted_tensors(detached):
+            return poutine.trace(guide).get_trace(*args, **kwargs)
 
-    def loss_and_grads(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> float:
-        """The loss (a float); backpropagates the gradient of each particle into the parameters."""
-        loss = 0.0
-        for particle in self._particle_losses(model, guide, args, kwargs):
-            if particle.requires_grad:
-                (particle / self.num_particles).backward(retain_graph=self.retain_graph)
-            loss += torch_item(particle) / self.num_particles
-        warn_if_nan(loss, "loss")
-        return loss
+    def _fisher_product(
+        self, leaves: dict[str, Tensor], guide_trace: poutine.Trace, run: RunRecorder, guide: Callable, args: tuple,
+        kwargs: dict,
+    ) -> Callable[[list[Tensor]], list[Tensor]]:
+        r""":math:`v\mapsto F v`, :math:`F` the Hessian of :math:`\phi'\mapsto\sum_{\text{sites}}
+        \mathrm{KL}(q_{\phi'}(z\mid\text{parents})\,\|\,q_\phi(z\mid\text{parents}))` at :math:`\phi'=\phi`, with the
+        parents at their sampled values (the guide's Fisher information, by the chain rule of the KL divergence)."""
+        moved = self._guide_at_sample(guide_trace, run, guide, args, kwargs)
+        reference = self._guide_at_sample(guide_trace, run, guide, args, kwargs, constants=leaves)
+        kl = 0.0
+        for name, site in _latent_guide_sites(moved):
+            fn = site["fn"]
+            point = _point_mass(fn)
+            if point is not None:
+                if point.v.requires_grad:
+                    raise ValueError(
+                        f"KLBallELBO: guide site {name!r} is a point mass (Delta) that moves with the guide's "
+                        "parameters; a point mass has no KL ball"
+                    )
+                continue  # a deterministic function of its (fixed) parents: no KL
+            try:
+                kl = kl + kl_divergence(fn, reference.nodes[name]["fn"]).sum()
+            except NotImplementedError:
+                raise ValueError(
+                    f"KLBallELBO: guide site {name!r} ({type(fn).__name__}) has no closed-form KL divergence, which "
+                    "the Fisher direction needs; use direction='normalized_score'"
+                ) from None
+        names = list(leaves)
+        params = [leaves[n] for n in names]
+        first = _grads(kl, params, create_graph=True)
+
+        def product(vector: list[Tensor]) -> list[Tensor]:
+            inner = sum((f * v).sum() for f, v in zip(first, vector, strict=True) if f.requires_grad)
+            return _grads(inner, params, retain_graph=True)
+
+        return product
 
     def perturbation(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> dict[str, Tensor]:
-        """:math:`\\delta^*` for one draw of the guide, as ``{param name: perturbation of its unconstrained tensor}``
-        (a diagnostic: the loss methods compute it the same way, once per particle)."""
-        _check_guide(guide)
+        """:math:`\\delta^*` for one draw of the guide, as ``{param site name: perturbation of its unconstrained
+        tensor}`` (a diagnostic: the loss methods compute it the same way, once per particle)."""
+        self._check_guide(guide)
         with torch.enable_grad():
-            first = self._first_pass(model, guide, args, kwargs)
-            _, delta = self._perturbation(guide, first)
-        return delta
+            model_trace, guide_trace, run = self._first_pass(model, guide, args, kwargs)
+            leaves = _guide_parameters(guide_trace)
+            return self._perturbation(leaves, model_trace, guide_trace, run, guide, args, kwargs)
+
+
+def _grads(output: Tensor | float, inputs: list[Tensor], **kwargs: bool) -> list[Tensor]:
+    """``torch.autograd.grad`` with zeros for inputs that do not reach ``output``."""
+    if not isinstance(output, Tensor) or not output.requires_grad:
+        return [torch.zeros_like(t) for t in inputs]
+    grads = torch.autograd.grad(output, inputs, allow_unused=True, **kwargs)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
+
+
+def _scale_site(site: dict, weight: float) -> None:
+    """Multiply a traced sample site's log-density terms by ``weight`` (:math:`\\beta`)."""
+    site["log_prob"] = site["log_prob"] * weight
+    site["log_prob_sum"] = site["log_prob_sum"] * weight
+    if "unscaled_log_prob" in site:
+        site["unscaled_log_prob"] = site["unscaled_log_prob"] * weight
+    if "score_parts" in site:
+        site["score_parts"] = site["score_parts"].scale_and_mask(weight)

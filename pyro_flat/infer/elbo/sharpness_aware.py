@@ -38,10 +38,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from pyro.distributions import Delta
 from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
 from pyro.poutine import Trace
 
-from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
+from ...transforms.sharpness_aware import SharpnessAwareModel, check_options, is_real_support
 from ..util import is_latent_site
 
 
@@ -146,31 +147,46 @@ class SharpnessAwareELBO(_SharpnessAware, Trace_ELBO):
 
 
 class SharpnessAwareMeanFieldELBO(_SharpnessAware, TraceMeanField_ELBO):
-    r"""The SA-ELBO with the analytic KL divergence, like :class:`~pyro.infer.TraceMeanField_ELBO`:
+    r"""The SA-ELBO with Pyro's analytic KL divergence, like :class:`~pyro.infer.TraceMeanField_ELBO`:
 
     .. math:: -\Big[\ell_B(\theta') - \sum_z \mathrm{KL}\big(q_\phi(z)\,\|\,p(z)\big)\Big],
-        \qquad \theta'=\theta+\rho\,\hat g/\|\hat g\|_2,\ \theta\sim q_\phi,
+        \qquad \theta'=\theta+\rho\,\hat g/\|\hat g\|_2,\ \theta\sim q_\phi.
 
-    for a mean-field guide (e.g. ``AutoNormal``) and a model whose priors do not depend on other latent sites (every
-    :class:`~pyro_flat.nn.BayesianMLP`); sites without a registered KL fall back to the sampled
-    :math:`\log p - \log q`. Only the likelihood term is random, so its gradient has less variance than
-    :class:`SharpnessAwareELBO`'s; the expected loss and gradients are the same. A separate class (not an option of
-    :class:`SharpnessAwareELBO`) because Pyro itself makes the analytic KL a different ELBO class with its own
-    ``loss`` and particle loss, which this one inherits unchanged.
+    The KL term is analytic only for latent sites that the guide samples **directly** from a distribution with a
+    registered KL divergence to the prior — a hand-written mean-field guide (e.g. ``Normal`` against a ``Normal``
+    prior) on a model whose priors do not depend on other latent sites; there its gradient has less variance than
+    :class:`SharpnessAwareELBO`'s, with the same expectation. Pyro's autoguides do not sample the model's sites
+    directly: ``AutoNormal`` draws an auxiliary ``"{site}_unconstrained"`` and maps it through a ``Delta``, so for it
+    this ELBO computes the *sampled* estimator — for real-valued latents exactly :class:`SharpnessAwareELBO`'s value and
+    gradient. For a constrained latent behind such a ``Delta`` Pyro's ``TraceMeanField_ELBO`` drops the Jacobian that
+    the ``Delta`` carries (a biased gradient), so this ELBO refuses it with a ``ValueError`` naming the site: use
+    :class:`SharpnessAwareELBO` there.
 
     :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05 (see :class:`SharpnessAwareELBO`).
     :param bool adaptive: ASAM scaling; default ``False``.
     :param bool freeze_batchnorm: BatchNorm statistics not updated by the perturbed pass; default ``True``.
     :param kwargs: :class:`~pyro.infer.TraceMeanField_ELBO` options.
-    :raises ValueError: as :class:`SharpnessAwareELBO`.
+    :raises ValueError: as :class:`SharpnessAwareELBO`, and for a guide site that is a ``Delta`` with a Jacobian.
 
     .. warning:: As for ``TraceMeanField_ELBO``, the result is wrong if the guide is not mean-field with respect to
         the model's dependency structure.
-
-    References:
-        [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
     """
+
+    def _get_trace(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple[Trace, Trace]:
+        model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
+        for name, site in model_trace.nodes.items():
+            if not is_latent_site(site) or name not in guide_trace.nodes:
+                continue
+            fn = guide_trace.nodes[name]["fn"]
+            while hasattr(fn, "base_dist"):
+                fn = fn.base_dist
+            if isinstance(fn, Delta) and not is_real_support(site["fn"].support):
+                raise ValueError(
+                    f"SharpnessAwareMeanFieldELBO: the guide maps site {name!r} through a Delta with a Jacobian (an "
+                    "autoguide on a constrained latent); Pyro's mean-field KL for it ignores that Jacobian, which "
+                    "biases the gradient. Use SharpnessAwareELBO"
+                )
+        return model_trace, guide_trace
 
 
 __all__ = ["SharpnessAwareELBO", "SharpnessAwareMeanFieldELBO"]

@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
-from ..util import is_latent_site
+from ..util import at_latent_values, is_latent_site
 from .schedules import StepSizeSchedule, as_schedule
 
 __all__ = ["ModelPotential", "initialize_sg_model", "SamplerState", "StochasticGradientKernel"]
@@ -70,8 +70,9 @@ def _is_identity(transform: Transform) -> bool:
 class ModelPotential:
     r"""The potential :math:`\tilde U(z)` of a Pyro model in unconstrained coordinates, re-traced at every call.
 
-    Each call runs ``model(*model_args, **model_kwargs)`` conditioned on the constrained values
-    :math:`x = t^{-1}(z)`, so subsampled plates draw a fresh minibatch and scale it by :math:`N/B`; the result is
+    Each call runs ``model(*model_args, **model_kwargs)`` at the constrained values :math:`x = t^{-1}(z)` (set as
+    latent values by :func:`~pyro_flat.infer.at_latent_values`, not observed), so subsampled plates draw a fresh
+    minibatch and scale it by :math:`N/B`; the result is
     :math:`-\log p + \sum \log|\det \partial t(x)/\partial x|` (the Jacobian term only for constrained sites).
 
     :param model: the Pyro model.
@@ -99,7 +100,7 @@ class ModelPotential:
             values[name] = x
             term = transform.log_abs_det_jacobian(x, z).sum()
             log_det = term if log_det is None else log_det + term
-        trace = poutine.trace(poutine.condition(self.model, values)).get_trace(*self.model_args, **self.model_kwargs)
+        trace = poutine.trace(at_latent_values(self.model, values)).get_trace(*self.model_args, **self.model_kwargs)
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and name not in values and is_latent_site(site):
                 raise ValueError(

@@ -373,3 +373,46 @@ def test_batchnorm_running_stats_frozen_in_the_perturbed_pass(freeze, expected_u
         torch.testing.assert_close(bn.running_mean, after_one[0], atol=0, rtol=0)
         torch.testing.assert_close(bn.running_var, after_one[1], atol=0, rtol=0)
     assert bn.track_running_stats  # restored
+
+
+# ------------------------------------------------------------------------- the mean-field variant: what is analytic
+
+
+def test_mean_field_with_autonormal_is_the_sampled_estimator():
+    # AutoNormal samples an auxiliary site and maps it through a Delta: Pyro's mean-field ELBO is not analytic there,
+    # and for real-valued latents it is exactly the SA-ELBO (same loss, same gradients)
+    model, guide, args, kwargs = mlp_setup()
+    guide(*args, **kwargs)
+    results = []
+    for elbo in (SharpnessAwareELBO(0.1), SharpnessAwareMeanFieldELBO(0.1)):
+        pyro.set_rng_seed(3)
+        results.append(loss_and_param_grads(elbo, model, guide, *args, **kwargs))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-12)
+    for name in results[0][1]:
+        torch.testing.assert_close(results[1][1][name], results[0][1][name], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.statistical
+def test_mean_field_lowers_the_gradient_variance_with_a_hand_written_guide():
+    # over 200 draws: the analytic KL removes the KL's Monte-Carlo noise from the loc gradient (only the likelihood
+    # term stays random). The two variances differ by far more than their sampling error (F-test at 200 draws: a
+    # ratio below 0.6 has probability < 1e-4 if the variances were equal)
+    pyro.clear_param_store()
+    gaussian_guide(X)
+    grads = {SharpnessAwareELBO: [], SharpnessAwareMeanFieldELBO: []}
+    for seed in range(200):
+        for elbo_class, out in grads.items():
+            pyro.set_rng_seed(seed)
+            out.append(loss_and_param_grads(elbo_class(0.1), gaussian_model, gaussian_guide, X)[1]["scale"])
+    var = {k: torch.stack(v).var(0).sum() for k, v in grads.items()}
+    assert var[SharpnessAwareMeanFieldELBO] < 0.6 * var[SharpnessAwareELBO]
+
+
+def test_mean_field_refuses_a_constrained_latent_behind_a_delta():
+    def model(y):
+        s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+        pyro.sample("y", dist.Normal(0.0, s).expand([len(y)]).to_event(1), obs=y)
+
+    y = torch.tensor([0.3, 1.2, 0.8])
+    with pytest.raises(ValueError, match="site 's' through a Delta with a Jacobian"):
+        SharpnessAwareMeanFieldELBO(0.1).loss(model, AutoNormal(model), y)
