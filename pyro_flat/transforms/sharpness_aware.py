@@ -29,20 +29,20 @@ on the transformed model targets it: SVI with any guide, MAP with ``AutoDelta`` 
 weight decay), and SGLD (which is F-SGLD).
 
 One call of the transformed model costs two forward and two backward passes of the network, like one SAM step:
+a **recording pass** in the caller's context (latent values :math:`\theta` from the enclosing handlers — a guide's
+replay, :func:`~pyro_flat.infer.at_latent_values`, the prior — recorded by them with the prior at :math:`\theta`;
+the observed sites hidden from them; :math:`\hat g` by autograd through a zero shift of each latent value), then a
+**perturbed pass** at :math:`\theta+\hat\epsilon` that replays the first exactly (:mod:`pyro_flat.infer.replay`:
+same subsample indices, random numbers and observations, BatchNorm statistics frozen) and enters the enclosing model
+as the factor site ``"sharpness_aware_log_likelihood"``. The ascent is taken in each site's unconstrained space, with
+one norm per particle under ``vectorize_particles``.
 
-1. **the recording pass** runs the model in the caller's context: latent values :math:`\theta` come from the
-   enclosing handlers (a guide's replay, an MCMC ``condition``, the prior) and are recorded by them *at*
-   :math:`\theta` (prior at :math:`\theta`); the observed sites are hidden from the enclosing handlers and
-   :math:`\hat g` is taken from their log-likelihood (:func:`torch.autograd.grad` with respect to a zero shift of
-   each latent value, so the network sees exactly :math:`\theta`);
-2. **the perturbed pass** (blocked from the enclosing handlers) replays the same subsample indices, the same random
-   numbers (dropout masks) and — with ``freeze_batchnorm`` — batch statistics without updating BatchNorm's running
-   statistics, at :math:`\theta+\hat\epsilon(\theta)`, and its log-likelihood enters the enclosing model as the single
-   factor site ``"sharpness_aware_log_likelihood"``.
-
-Under ``torch.no_grad()`` (``SVI.evaluate_loss``, ``Predictive`` with observations) the recording pass cannot build a
-graph, so :math:`\hat g` comes from one extra blocked pass; with no observation at all (``Predictive`` with
-``y=None``) there is nothing to perturb and the transformed model costs what the model costs.
+**Handlers applied outside the transformed model** give the density of the transform applied outside them: a site
+that an outer ``pyro.condition`` observes is an observation, as if conditioned inside — unless the model observes its
+data itself and every other latent site is conditioned too, the way Pyro's HMC/NUTS potential and ``Predictive`` with
+``posterior_samples`` fix *latent values* (an ambiguous mix is refused, naming the sites); a selective outer
+``poutine.block`` hides a site from the transform as inside; an outer ``poutine.do`` is refused. To evaluate the
+density at given latent values use :func:`~pyro_flat.infer.at_latent_values`.
 
 References:
     [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
@@ -444,80 +444,37 @@ def sharpness_aware(
     distributed: bool = False,
     process_group: object | None = None,
 ) -> SharpnessAwareModel:
-    r"""Transform a Pyro model into its sharpness-aware posterior model (Flat Seeking BNNs [1]).
+    r"""Transform a Pyro model into its sharpness-aware posterior model: prior at :math:`\theta`, likelihood at the
+    SAM point :math:`\theta+\rho\hat g/\|\hat g\|_2` (the density and its terms are in the module docstring).
 
-    The returned model has the model's signature and the density
+    Any Pyro inference on the result targets the sharpness-aware posterior: ``Trace_ELBO`` with any reparameterised
+    guide is the SA-ELBO (:class:`~pyro_flat.infer.SharpnessAwareELBO` *is* that), ``AutoDelta`` + ``Trace_ELBO`` is
+    SAM with the prior as weight decay, and SGLD on it (:class:`~pyro_flat.infer.mcmc.SGLD`) is F-SGLD.
+    ``Predictive(sharpness_aware(model), guide=guide)`` returns the model's sites at the unperturbed :math:`\theta`.
 
-    .. math::
-
-        \tilde p_{\mathrm{SA}}(\theta, \mathcal D_B) = p(\theta)\, \exp\big(\ell_B(\theta + \hat\epsilon(\theta))\big),
-        \qquad \hat\epsilon(\theta) = \rho\,\frac{\hat g}{\|\hat g\|_2},\quad
-        \hat g = \operatorname{sg}\big[-\nabla_\theta\,\ell_B(\theta)\big],
-
-    with :math:`\theta` all latent sites, :math:`p(\theta)` their prior, :math:`\ell_B` the log-likelihood of all
-    observed sites (``pyro.factor`` statements included) of one model run on its minibatch :math:`\mathcal D_B`
-    (plate-scaled by :math:`N/B`), :math:`\|\cdot\|_2` the global L2 norm over all latent sites and
-    :math:`\operatorname{sg}` a stop-gradient. The prior is evaluated at :math:`\theta`, the likelihood at the
-    perturbed values with the same minibatch and the same random numbers (dropout masks). Inference on it:
-
-    * ``SVI(sharpness_aware(model), guide, optim, Trace_ELBO())`` with any reparameterised guide is the SA-ELBO: it
-      gives the same loss and gradients as ``SVI(model, guide, optim, SharpnessAwareELBO(rho))`` under the same seed
-      (:class:`~pyro_flat.infer.SharpnessAwareELBO` *is* ``Trace_ELBO`` on this transform);
-    * ``AutoDelta`` + ``Trace_ELBO`` on it is SAM with the prior as weight decay (the MAP of
-      :math:`\tilde p_{\mathrm{SA}}`);
-    * an SGLD kernel on it (``initialize_model`` gives the potential
-      :math:`U_{\mathrm{SA}}(\theta)=-\log p(\theta)-\ell_B(\theta+\hat\epsilon(\theta))`) is F-SGLD.
-
-    The ascent is taken in the unconstrained space of each site (:func:`torch.distributions.biject_to` of its support;
-    for the real-valued weights of a network, the values themselves), so perturbed values stay in the support. With
-    vectorised plates around the transformed model (``vectorize_particles=True``), the norm is taken per element of
-    those plates, i.e. per particle.
-
-    ``Predictive(sharpness_aware(model), guide=guide)`` returns the model's sites at the guide's :math:`\theta` (the
-    unperturbed values; with ``y=None`` there is no likelihood and no extra pass), i.e. the same as
-    ``Predictive(model, guide=guide)``; the observed sites are replaced by the factor site
-    ``"sharpness_aware_log_likelihood"``.
-
-    :param model: a Pyro model (e.g. :class:`~pyro_flat.nn.BayesianMLP`). Its structure must not depend on the latent
+    :param model: a Pyro model (e.g. :class:`~pyro_flat.nn.BayesianMLP`) whose structure does not depend on the latent
         values; minibatches are drawn inside it by ``pyro.plate(..., subsample_size=B)`` or passed with ``num_data``.
-    :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05, the value of the F-BNN code for CIFAR-10 and
+    :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05, the F-BNN code's value for CIFAR-10 and
         ImageNet fine-tuning [1] (0.1 for CIFAR-100). :math:`\rho=0` gives the model's own density.
     :param bool adaptive: ASAM [3] scaling :math:`\hat\epsilon=\rho\,T_\theta^2\hat g/\|T_\theta\hat g\|_2`,
-        :math:`T_\theta=|\theta|` (the F-BNN code's ``adaptive`` flag, used there with :math:`\rho=1` for VGG16);
-        default ``False``.
-    :param bool freeze_batchnorm: in the perturbed pass (and the extra gradient pass under ``no_grad``), BatchNorm
-        layers of ``model`` (when it is an ``nn.Module``) use the batch statistics without updating their running
-        statistics, as the F-BNN code's ``disable_running_stats`` does; default ``True``.
-    :param bool distributed: under :class:`~torch.nn.parallel.DistributedDataParallel`, average :math:`\hat g` over
-        the ranks (one ``all_reduce``) before its norm is taken, so that every rank perturbs by the ascent of the
-        combined batch (:mod:`pyro_flat.distributed`); default ``False``. Needs an initialised process group.
+        :math:`T_\theta=|\theta|`; default ``False``.
+    :param bool freeze_batchnorm: BatchNorm running statistics are not updated by the extra passes (the F-BNN code's
+        ``disable_running_stats``); default ``True``.
+    :param bool distributed: average :math:`\hat g` over the ranks before its norm is taken (one ``all_reduce``,
+        :mod:`pyro_flat.distributed`); default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
     :returns: the transformed model, a :class:`SharpnessAwareModel`.
-    :raises ValueError: for a negative, NaN or infinite ``rho``; when called, for a model without latent sites or with
-        a discrete latent site.
+    :raises ValueError: for a bad ``rho``; when called, for a model without latent sites, a discrete latent site, an
+        ambiguous or intervening outer handler, or a SAM step that leaves a site's support.
 
-    .. note:: Cost per call: two forward and two backward passes of the network, plus the tracing of two model runs
-        (three forward passes under ``torch.no_grad`` when observations are present). ``jit_compile`` of
-        Pyro's MCMC potential is not supported.
-
-    .. warning:: :math:`\hat g` is the gradient of the *minibatch* log-likelihood, so the density depends on the
-        minibatch: like SAM it is a stochastic objective, and SGLD on it is F-SGLD, not an exact sampler of
-        :math:`q_{\mathrm{SA}}`.
+    .. warning:: :math:`\hat g` is the gradient of the *minibatch* log-likelihood: like SAM a stochastic objective,
+        and SGLD on it is F-SGLD, not an exact sampler of :math:`q_{\mathrm{SA}}`.
 
     Example::
 
-        >>> sa_model = sharpness_aware(model, rho=0.05)                          # doctest: +SKIP
-        >>> guide = AutoDelta(model)                                               # doctest: +SKIP
-        >>> svi = SVI(sa_model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())  # SAM  # doctest: +SKIP
-        >>> svi.step(x, y, subsample_size=128)                                     # doctest: +SKIP
-
-    References:
-        [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
-        [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-            Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-        [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-            Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+        sa_model = sharpness_aware(model, rho=0.05)
+        svi = SVI(sa_model, AutoDelta(model), pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())  # SAM
+        svi.step(x, y, subsample_size=128)
     """
     return SharpnessAwareModel(
         model, rho, adaptive=adaptive, freeze_batchnorm=freeze_batchnorm, distributed=distributed,

@@ -176,10 +176,6 @@ class KLBallELBO(Trace_ELBO):
         guide = AutoNormal(model, init_loc_fn=init_to_network(model))
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss=KLBallELBO(radius=0.05))
         svi.step(x, y, subsample_size=128)
-
-    References:
-        [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
-            Hoyoon Byun, Jinho Kang, Yohan Jung, Jiyoung Jung, Kyungwoo Song (2024), arXiv:2406.15664
     """
 
     def __init__(

@@ -18,7 +18,7 @@ Here :math:`\ell_B` is the minibatch log-likelihood of all observed sites (plate
 particle, the sampled weights are moved by one SAM ascent step, the likelihood is evaluated there with the same
 minibatch and the same random numbers, the prior and the guide at the unperturbed sample, and gradients reach
 :math:`\phi` through :math:`\theta` only, so that :math:`\nabla_\mu=-\nabla_\theta\ell_B(\theta')-\nabla_\theta\log
-p(\theta)+\dots` and :math:`\nabla_\sigma=-\nabla_\theta\ell_B(\theta')\odot\varepsilon+\dots` [1, ALGORITHMS §1a].
+p(\theta)+\dots` and :math:`\nabla_\sigma=-\nabla_\theta\ell_B(\theta')\odot\varepsilon+\dots` [1].
 
 Both ELBOs are :class:`~pyro.infer.Trace_ELBO` (resp. :class:`~pyro.infer.TraceMeanField_ELBO`) run on
 :func:`pyro_flat.transforms.sharpness_aware` of the model: the whole two-pass logic sits in the transformed model,
@@ -135,14 +135,6 @@ class SharpnessAwareELBO(_SharpnessAware, Trace_ELBO):
         >>> guide = AutoNormal(model)                                               # doctest: +SKIP
         >>> svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), SharpnessAwareELBO(rho=0.05))  # doctest: +SKIP
         >>> svi.step(x_train, y_train, subsample_size=128)                          # doctest: +SKIP
-
-    References:
-        [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
-        [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-            Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-        [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-            Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
     """
 
 
