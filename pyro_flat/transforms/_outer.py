@@ -71,3 +71,9 @@ def outer_effect(transform: Messenger, msg: dict, owner: str) -> OuterEffect:
             effect.hidden = True
             break  # frames outside the block never see the site
     return effect
+
+
+def outer_conditions(transform: Messenger, name: str) -> bool:
+    """Whether a ``pyro.condition`` / ``poutine.condition`` entered before ``transform`` holds a value for ``name``."""
+    index = next(i for i, frame in enumerate(_PYRO_STACK) if frame is transform)
+    return any(isinstance(frame, ConditionMessenger) and name in frame.data for frame in _PYRO_STACK[:index])

@@ -1,25 +1,31 @@
 r"""The local-entropy model transform of Entropy-MCMC: an auxiliary "anchor" latent coupled to every latent site.
 
 For a model with latent sites :math:`\theta` (all of them together; :math:`U(\theta) = -\log p(\theta, \mathcal D)`
-up to a constant), :func:`local_entropy` returns the model with joint density
+up to a constant), :func:`local_entropy` couples each site to an anchor :math:`\theta_a` of the same shape and support.
+The coupling lives in the unconstrained coordinates in which samplers move: with :math:`t` = ``biject_to(support).inv``
+(the identity for real-valued sites such as network weights), :math:`z = t(\theta)` and :math:`u = t(\theta_a)`, the
+joint density is
 
 .. math::
-    p(\theta, \theta_a \mid \mathcal D) \;\propto\; \exp\Big(-U(\theta) - \frac{\|\theta - \theta_a\|^2}{2\eta}\Big),
+    p(\theta, \theta_a \mid \mathcal D) \;\propto\; p(\theta\mid\mathcal D)\,
+    \exp\Big(-\frac{\|t(\theta) - t(\theta_a)\|^2}{2\eta}\Big)\,\big|\det J_t(\theta_a)\big|,
 
 i.e. for every latent site ``name`` it adds
 
-* a latent site ``f"{name}_anchor"`` (:data:`ANCHOR_SUFFIX`) of the same shape, with an improper flat prior on
-  :math:`\mathbb R^{\text{shape}}` (log density exactly 0; whatever the support of :math:`\theta`), and
-* a factor site ``f"{name}_coupling"`` with log density :math:`-\|\theta - \theta_a\|^2/(2\eta)`.
+* a latent site ``f"{name}_anchor"`` (:data:`ANCHOR_SUFFIX`) with the site's shape and support and an improper prior
+  that is flat in the unconstrained coordinates (density :math:`|\det J_t(\theta_a)|` on the support: Lebesgue
+  measure on :math:`u` pushed through :math:`t^{-1}`), and
+* a factor site ``f"{name}_coupling"`` with log density :math:`-\|t(\theta) - t(\theta_a)\|^2/(2\eta)`.
 
-Exact facts (for any :math:`U`, by integrating the Gaussian kernel):
+In the coordinates :math:`(z, u)` that an MCMC kernel moves, the prior's Jacobian and the sampler's cancel, so the
+potential is :math:`U(\theta(z)) - \log|\det J_{t^{-1}}(z)| + \|z-u\|^2/(2\eta)`. Exact facts (for any :math:`U`):
 
-* the :math:`\theta`-marginal is the **original posterior**, :math:`\int e^{-\|\theta-\theta_a\|^2/(2\eta)}\,
-  d\theta_a` being a constant;
-* the :math:`\theta_a`-marginal is :math:`\propto \exp F(\theta_a;\eta)` with the *local entropy*
-  :math:`F(\theta_a;\eta) = \log\int \exp(-U(\theta) - \|\theta-\theta_a\|^2/(2\eta))\,d\theta`: the posterior
-  convolved with :math:`\mathcal N(0, \eta I)`, a smoothed density on which sharp modes lose their height. At
-  temperature :math:`T` (a sampler targeting :math:`p^{1/T}`) the convolution is with :math:`\mathcal N(0, \eta T I)`.
+* the :math:`\theta`-marginal is the **original posterior**: :math:`\int e^{-\|z-u\|^2/(2\eta)}\,du` is a constant;
+* the :math:`u`-marginal is :math:`\propto \exp F(u;\eta)`, :math:`F(u;\eta) = \log\int \exp(-U_z(z) -
+  \|z-u\|^2/(2\eta))\,dz` with :math:`U_z` the potential of :math:`z` (Jacobian included): the posterior of the
+  unconstrained coordinates convolved with :math:`\mathcal N(0, \eta I)` (with :math:`\mathcal N(0, \eta T I)` at
+  temperature :math:`T`), on which sharp modes lose their height; :math:`\theta_a = t^{-1}(u)` maps it back into the
+  support, so anchors are valid values of their site.
 
 Any Pyro inference can run on the transformed model; SGLD on it, updating :math:`\theta` and :math:`\theta_a`
 jointly, is Entropy-MCMC (:class:`~pyro_flat.infer.mcmc.EntropyMCMC`) [1].
@@ -28,14 +34,18 @@ jointly, is Entropy-MCMC (:class:`~pyro_flat.infer.mcmc.EntropyMCMC`) [1].
 :math:`\|\theta-\theta_a\|^2/(2\eta N)` and their noise :math:`\sqrt{2\alpha T/N}`. Pyro's subsampled plate gives the
 *full-data* log joint, so the same :math:`\eta` and :math:`T` are used here, with the step size
 :math:`\varepsilon = \alpha/N`. Their weight decay ``wd`` also acts on :math:`\theta_a`; to reproduce it give the
-anchors a Gaussian prior with precision :math:`N\cdot\mathrm{wd}` (``anchor_prior_scale = (N wd)^{-1/2}``), which makes
-the :math:`\theta`-marginal differ from the posterior.
+anchors a Gaussian prior with precision :math:`N\cdot\mathrm{wd}` on :math:`u` (``anchor_prior_scale = (N
+wd)^{-1/2}``), which makes the :math:`\theta`-marginal differ from the posterior.
 
-.. note:: Whenever no outer handler gives the anchor a value (an unconditioned run, e.g. the initialisation of a
-    kernel under any ``init_strategy``, or an autoguide's prototype trace), the anchor takes a copy of its site's
-    value, as in the authors' code (the transform presets the value, as ``poutine.substitute`` would). Its
-    distribution, ``dist.Normal(0, 1).expand(shape).to_event(event_dim).mask(False)``, has log density 0 everywhere
-    and real support. A network with batch normalisation needs its statistics recomputed for each anchor draw before
+**Handlers applied outside the transformed model.** A site conditioned by an outer ``pyro.condition`` is an
+observation (no anchor), as if conditioned inside — unless the same condition also gives the site's anchor: then it is
+a latent value of the joint (the potential of Pyro's HMC/NUTS on the transformed model conditions every site and
+anchor). A selective outer ``poutine.block`` hides a site from the transform (no anchor), as inside; an outer
+``poutine.do``, or an outer block that hides an anchor while its site stays visible, is refused with the site's name.
+
+.. note:: Whenever no handler gives the anchor a value (an unconditioned run, e.g. the initialisation of a kernel under
+    any ``init_strategy``, or an autoguide's prototype trace), the anchor takes a copy of its site's value, as in the
+    authors' code. A network with batch normalisation needs its statistics recomputed for each anchor draw before
     prediction (``bma_predict`` with ``batchnorm_inputs``).
 
 References:
@@ -55,13 +65,16 @@ import pyro.distributions as dist
 import torch
 from pyro.poutine.messenger import Messenger
 from torch import Tensor
+from torch.distributions import biject_to, constraints
 
 from ..infer.util import is_latent_site
 from ..ops.diffusions import coupling_potential
+from ._outer import outer_conditions, outer_effect
 
 __all__ = [
     "ANCHOR_SUFFIX",
     "COUPLING_SUFFIX",
+    "FlatAnchorPrior",
     "LocalEntropyMessenger",
     "local_entropy",
     "local_entropy_potential",
@@ -96,12 +109,37 @@ def _check_optional_scale(scale: object, owner: str) -> float | None:
     return float(scale)
 
 
-def _batched_coupling(theta: Tensor, anchor: Tensor, eta: float, event_dim: int) -> Tensor:
-    """:math:`-\\|\\theta - \\theta_a\\|^2/(2\\eta)` summed over the ``event_dim`` rightmost dimensions only."""
-    squared = (theta - anchor).pow(2)
-    if event_dim:
-        squared = squared.sum(tuple(range(-event_dim, 0)))
-    return -squared / (2.0 * eta)
+def _sum_event(x: Tensor, event_dim: int) -> Tensor:
+    return x.sum(tuple(range(-event_dim, 0))) if event_dim else x
+
+
+class FlatAnchorPrior(dist.TorchDistribution):
+    r"""The anchors' improper prior: flat in the unconstrained coordinates :math:`u = t(x)` of ``support``, i.e. the
+    density :math:`|\det J_t(x)|` on the support, with :math:`t` = ``biject_to(support).inv``. It cannot be sampled;
+    :class:`LocalEntropyMessenger` presets its value.
+
+    :param support: the constraint of the anchored site.
+    :param batch_shape: the site's batch shape.
+    :param event_shape: the site's event shape.
+    """
+
+    arg_constraints: dict = {}
+
+    def __init__(self, support: constraints.Constraint, batch_shape: torch.Size, event_shape: torch.Size) -> None:
+        self._support = support
+        super().__init__(batch_shape, event_shape, validate_args=False)
+
+    @property
+    def support(self) -> constraints.Constraint:
+        return self._support
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        to_support = biject_to(self._support)
+        log_det = -to_support.log_abs_det_jacobian(to_support.inv(value), value)
+        return _sum_event(log_det, len(self.event_shape) - to_support.codomain.event_dim).expand(self.batch_shape)
+
+    def expand(self, batch_shape: torch.Size, _instance: object = None) -> FlatAnchorPrior:
+        return FlatAnchorPrior(self._support, torch.Size(batch_shape), self.event_shape)
 
 
 class LocalEntropyMessenger(Messenger):
@@ -122,67 +160,84 @@ class LocalEntropyMessenger(Messenger):
         self.eta = _check_eta(eta, "local_entropy")
         self.anchor_prior_scale = _check_optional_scale(anchor_prior_scale, "local_entropy")
         self._pending: set[str] = set()
+        self._visible: dict[str, bool] = {}
         self._anchor_values: dict[str, Tensor] = {}
         super().__init__()
 
     def __enter__(self) -> LocalEntropyMessenger:
-        self._pending, self._anchor_values = set(), {}
+        self._pending, self._visible, self._anchor_values = set(), {}, {}
         return super().__enter__()
 
     def _process_message(self, msg: dict) -> None:
         if msg["type"] != "sample":
             return
         if msg["infer"].get(_ANCHOR_FLAG, False):
-            # an anchor: preset to a copy of its site's value, unless an outer handler sets it (condition, substitute)
+            # an anchor: preset to a copy of its site's value, unless a handler gives it a value (condition, replay)
             value = self._anchor_values.pop(msg["name"])
             if msg["value"] is None:
                 msg["value"] = value
-        elif is_latent_site(msg):
-            # decided here, before outer handlers run: an outer ``poutine.condition`` (as in an MCMC potential) marks
-            # the site observed, yet it is a latent of the model and keeps its anchor
+        elif is_latent_site(msg) and not outer_effect(self, msg, "local_entropy").hidden:
             self._pending.add(msg["name"])
 
     def _postprocess_message(self, msg: dict) -> None:
-        if msg["type"] != "sample" or msg["name"] not in self._pending:
+        if msg["type"] != "sample":
             return
-        self._pending.discard(msg["name"])
+        name = msg["name"]
+        if msg["infer"].get(_ANCHOR_FLAG, False):
+            site = name[: -len(ANCHOR_SUFFIX)]
+            if msg["stop"] and self._visible.get(site, False):
+                raise ValueError(
+                    f"local_entropy: a poutine.block outside the transformed model hides the anchor {name!r} while "
+                    f"its site {site!r} stays visible; apply the block inside the transform or hide both"
+                )
+            return
+        if name not in self._pending:
+            return
+        self._pending.discard(name)
+        if msg["is_observed"] and not outer_conditions(self, anchor_name(name)):
+            return  # an observation given by an outer condition: no anchor, as if conditioned inside
         fn = msg["fn"]
         if fn.support.is_discrete or getattr(fn, "has_enumerate_support", False):
             raise ValueError(
-                f"local_entropy: site {msg['name']!r} is discrete ({type(fn).__name__}); the coupling "
-                "||theta - theta_a||^2 / (2 eta) needs continuous latent sites"
+                f"local_entropy: site {name!r} is discrete ({type(fn).__name__}); the coupling "
+                "||t(theta) - t(theta_a)||^2 / (2 eta) needs continuous latent sites"
             )
-        name, value, event_dim = msg["name"], msg["value"], fn.event_dim
+        self._visible[name] = not msg["stop"]
+        value, support, event_dim = msg["value"], fn.support, fn.event_dim
         self._anchor_values[anchor_name(name)] = value.detach().clone()
-        flat = dist.Normal(torch.zeros_like(value), 1.0).to_event(event_dim).mask(False)
-        anchor = pyro.sample(anchor_name(name), flat, infer={_ANCHOR_FLAG: True})
-        pyro.factor(name + COUPLING_SUFFIX, _batched_coupling(value, anchor, self.eta, event_dim), has_rsample=True)
+        batch_dim = value.dim() - event_dim
+        prior = FlatAnchorPrior(support, value.shape[:batch_dim], value.shape[batch_dim:])
+        anchor = pyro.sample(anchor_name(name), prior, infer={_ANCHOR_FLAG: True})
+        to_unconstrained = biject_to(support).inv
+        unconstrained_dim = to_unconstrained.codomain.event_dim
+        z, u = to_unconstrained(value), to_unconstrained(anchor)
+        pyro.factor(
+            name + COUPLING_SUFFIX,
+            -_sum_event((z - u).pow(2), unconstrained_dim) / (2.0 * self.eta),
+            has_rsample=True,
+        )
         if self.anchor_prior_scale is not None:
-            prior = dist.Normal(torch.zeros_like(anchor), self.anchor_prior_scale)
-            log_prior = prior.log_prob(anchor)
-            if event_dim:
-                log_prior = log_prior.sum(tuple(range(-event_dim, 0)))
-            pyro.factor(anchor_name(name) + "_prior", log_prior, has_rsample=True)
+            log_prior = dist.Normal(torch.zeros_like(u), self.anchor_prior_scale).log_prob(u)
+            pyro.factor(anchor_name(name) + "_prior", _sum_event(log_prior, unconstrained_dim), has_rsample=True)
 
 
 def local_entropy(model: Callable, eta: float, *, anchor_prior_scale: float | None = None) -> Callable:
     r"""The local-entropy transform of a Pyro model (Entropy-MCMC [1]): every latent site ``name`` gets an anchor
-    latent ``f"{name}_anchor"`` of the same shape, a flat prior on it, and the coupling factor
-    :math:`\exp(-\|\theta - \theta_a\|^2/(2\eta))` (site ``f"{name}_coupling"``). The joint density is
-
-    .. math:: p(\theta, \theta_a\mid\mathcal D) \propto \exp\big(-U(\theta) - \|\theta-\theta_a\|^2/(2\eta)\big),
-
-    whose :math:`\theta`-marginal is the original posterior and whose :math:`\theta_a`-marginal is the posterior
-    convolved with :math:`\mathcal N(0, \eta I)` (see the module docstring).
+    latent ``f"{name}_anchor"`` with the site's shape and support, flat in the unconstrained coordinates, and the
+    coupling factor :math:`\exp(-\|t(\theta) - t(\theta_a)\|^2/(2\eta))` (site ``f"{name}_coupling"``). The
+    :math:`\theta`-marginal is the original posterior; the anchors' is the posterior smoothed by
+    :math:`\mathcal N(0, \eta I)` in the unconstrained coordinates (module docstring).
 
     :param model: a Pyro model with continuous latent sites (e.g. a :class:`~pyro_flat.nn.BayesianMLP`).
     :param float eta: :math:`\eta > 0` (on the scale of the full-data log joint, which equals the paper's
         :math:`\eta` with its mean-loss scaling; see the module docstring).
     :param anchor_prior_scale: ``None`` for the flat anchor prior (default, exact marginals), or the standard
-        deviation of a Gaussian anchor prior (the paper's weight decay on :math:`\theta_a`).
+        deviation of a Gaussian prior on the anchors' unconstrained values (the paper's weight decay on
+        :math:`\theta_a`).
     :type anchor_prior_scale: float or None
     :returns: the transformed model, called with the same arguments as ``model`` (picklable if ``model`` is).
-    :raises ValueError: on a non-positive ``eta``; on a discrete latent site when the model runs.
+    :raises ValueError: on a non-positive ``eta``; when the model runs, on a discrete latent site or an outer
+        ``poutine.do``.
 
     Example::
 
@@ -226,9 +281,10 @@ def local_entropy_draws(
 ) -> dict[str, Tensor]:
     r"""Posterior draws of the *original* model's sites from samples of a :func:`local_entropy` model.
 
-    ``samples`` is ``{site: [S, ...]}`` (e.g. ``mcmc.get_samples()``) holding latent sites and/or their anchors.
-    With ``collect="theta"`` the latent sites are returned; with ``"anchor"`` the anchors, renamed to their
-    latent's name; with ``"both"`` the two sets are concatenated along the draw dimension (:math:`2S` draws, as the
+    ``samples`` is ``{site: [S, ...]}`` (e.g. ``mcmc.get_samples()``, whose values, anchors included, are in each
+    site's support) holding latent sites and/or their anchors. With ``collect="theta"`` the latent sites are returned;
+    with ``"anchor"`` the anchors, renamed to their latent's name (an anchor is a valid value of its site); with
+    ``"both"`` the two sets are concatenated along the draw dimension (:math:`2S` draws, as the
     authors average both networks). The result can go to ``Predictive(model, posterior_samples=...)`` or
     :func:`~pyro_flat.infer.sample_draws`.
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("bayesian_sam.py", ["--repeats", "1", "--steps", "1", "--out", "{tmp}/bayesian_sam.md"], "SWAGCollector"),
         ("bsam_two_moons.py", ["--epochs", "2", "--samples", "2", "--out", "{tmp}"], "bSAM"),
+        ("entropy_mcmc_constrained.py", ["--smoke", "--out", "{tmp}/emc.md"], "Entropy-MCMC (anchors)"),
         ("memory.py", ["--draws", "2", "--warmup", "1", "--out", "{tmp}/memory.md"], "StreamingBMA"),
         ("trajectory_paired.py", [str(ROOT / "results" / "trajectory" / "results.json")], "Paired differences"),
     ],

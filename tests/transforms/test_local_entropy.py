@@ -141,3 +141,71 @@ def test_local_entropy_draws():
         local_entropy_draws({"a": torch.randn(3)}, "anchor")
     with pytest.raises(ValueError, match="collect"):
         local_entropy_draws(samples, "all")
+
+
+# ----------------------------------------------------------------------------------- constrained sites, outer handlers
+
+
+def positive_model(y=None):
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))
+    with pyro.plate("data", 4):
+        pyro.sample("y", dist.Normal(p[0], s), obs=y)
+
+
+def test_log_joint_of_constrained_sites_couples_unconstrained_values():
+    # log p(theta, theta_a) = log p(theta) + sum -||t(theta) - t(theta_a)||^2 / (2 eta) + log|det J_t(theta_a)|
+    y = torch.tensor([0.1, 0.4, -0.3, 0.9])
+    s, s_a = torch.tensor(0.7), torch.tensor(1.9)
+    p, p_a = torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.6, 0.1, 0.3])
+    eta = 0.4
+    values = {"s": s, "s_anchor": s_a, "p": p, "p_anchor": p_a}
+    flat = _log_joint(local_entropy(positive_model, eta), values, y)
+    original = _log_joint(positive_model, {"s": s, "p": p}, y)
+    t_s, t_p = torch.distributions.biject_to(dist.LogNormal(0.0, 1.0).support).inv, \
+        torch.distributions.biject_to(dist.Dirichlet(torch.ones(3)).support).inv
+    coupling = -((t_s(s) - t_s(s_a)) ** 2 + ((t_p(p) - t_p(p_a)) ** 2).sum()) / (2 * eta)
+    jacobian = t_s.log_abs_det_jacobian(s_a, t_s(s_a)) + t_p.log_abs_det_jacobian(p_a, t_p(p_a))
+    torch.testing.assert_close(flat, original + coupling + jacobian)
+
+
+def test_anchor_has_the_sites_shape_and_support_and_starts_as_a_copy():
+    trace = poutine.trace(local_entropy(positive_model, 0.3)).get_trace(torch.zeros(4))
+    for name in ("s", "p"):
+        anchor = trace.nodes[f"{name}_anchor"]
+        assert anchor["fn"].support is trace.nodes[name]["fn"].support
+        assert torch.equal(anchor["value"], trace.nodes[name]["value"])
+
+
+def test_outer_condition_of_an_observation_adds_no_anchor():
+    # issue 11 item 5: pyro.condition(local_entropy(model), {"y": y}) added a spurious "y_anchor"
+    y = torch.tensor([0.1, 0.4, -0.3, 0.9])
+
+    def unobserved(y=None):
+        positive_model(None)
+
+    outside = poutine.trace(pyro.condition(local_entropy(unobserved, 0.3), {"y": y})).get_trace()
+    inside = poutine.trace(local_entropy(pyro.condition(unobserved, {"y": y}), 0.3)).get_trace()
+    assert "y_anchor" not in outside.nodes
+    assert [n for n in outside.nodes if n.endswith("_anchor")] == [n for n in inside.nodes if n.endswith("_anchor")]
+    values = {"s": torch.tensor(0.8), "s_anchor": torch.tensor(1.1), "p": torch.tensor([0.2, 0.5, 0.3]),
+              "p_anchor": torch.tensor([0.3, 0.3, 0.4])}
+    torch.testing.assert_close(
+        _log_joint(pyro.condition(local_entropy(unobserved, 0.3), {"y": y}), values),
+        _log_joint(local_entropy(pyro.condition(unobserved, {"y": y}), 0.3), values),
+    )
+
+
+def test_outer_do_and_a_block_hiding_only_the_anchor_are_refused():
+    y = torch.zeros(4)
+    with pytest.raises(ValueError, match="poutine.do intervenes on site 's'"):
+        poutine.trace(poutine.do(local_entropy(positive_model, 0.3), {"s": torch.tensor(1.0)})).get_trace(y)
+    with pytest.raises(ValueError, match="hides the anchor 's_anchor' while its site 's' stays visible"):
+        poutine.trace(poutine.block(local_entropy(positive_model, 0.3), hide=["s_anchor"])).get_trace(y)
+
+
+def test_outer_selective_block_of_a_site_is_as_inside():
+    y = torch.zeros(4)
+    outside = poutine.trace(poutine.block(local_entropy(positive_model, 0.3), hide=["p"])).get_trace(y)
+    inside = poutine.trace(local_entropy(poutine.block(positive_model, hide=["p"]), 0.3)).get_trace(y)
+    assert set(outside.nodes) == set(inside.nodes) and "p_anchor" not in inside.nodes

@@ -39,6 +39,7 @@ JIT compilation is not offered: ``torch.jit.trace`` would freeze the subsample i
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -453,8 +454,39 @@ class StochasticGradientKernel(MCMCKernel):
             what = ", ".join(f"site {n!r}" for n in sites) if sites else "the potential energy"
             if sites and len(sites) < len(names):
                 what += " and the potential energy"
+            bad_data = self._nonfinite_arguments()
+            if bad_data:
+                advice = (
+                    f"The model's data hold NaN or infinite values ({', '.join(bad_data)}), which the step size "
+                    "cannot fix: clean the data, or mask missing values (e.g. pyro.sample(..., obs_mask=...))."
+                )
+            else:
+                advice = (
+                    f"The step size there was {self.schedule(step):.3g} and the temperature {self.temperature:g}; "
+                    "lower the step size, or check the model and the initial values."
+                )
             raise FloatingPointError(
                 f"{type(self).__name__} diverged at gradient step {step} (counted from 0, warm-up included): {what} "
-                f"became NaN or infinite. The step size there was {self.schedule(step):.3g} and the temperature "
-                f"{self.temperature:g}; lower the step size, or check the model and the initial values."
+                f"became NaN or infinite. {advice}"
             )
+
+    def _nonfinite_arguments(self) -> list[str]:
+        """The model's tensor arguments holding NaN or infinite values, named (read on the error path only)."""
+        potential = self.potential_fn
+        if not isinstance(potential, ModelPotential):
+            potential = getattr(potential, "potential", None)  # e.g. EntropyMCMC's coupled potential
+        if not isinstance(potential, ModelPotential):
+            return []
+        try:
+            bound = inspect.signature(potential.model).bind_partial(*potential.model_args, **potential.model_kwargs)
+            named = [(f"argument {k!r}", a) for k, a in bound.arguments.items()]
+        except (TypeError, ValueError):  # no signature: positions
+            named = [(f"argument {i}", a) for i, a in enumerate(potential.model_args)]
+            named += [(f"argument {k!r}", a) for k, a in potential.model_kwargs.items()]
+        out = []
+        for name, value in named:
+            if isinstance(value, Tensor) and value.is_floating_point():
+                count = int((~torch.isfinite(value)).sum())
+                if count:
+                    out.append(f"{name}: {count} of {value.numel()} values")
+        return out

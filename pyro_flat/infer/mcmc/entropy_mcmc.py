@@ -10,7 +10,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_median
 from torch import Tensor
-from torch.distributions.transforms import Transform, identity_transform
+from torch.distributions.transforms import Transform
 
 from ...ops.diffusions import coupling_potential
 from ...transforms.local_entropy import (
@@ -21,7 +21,7 @@ from ...transforms.local_entropy import (
     local_entropy,
     local_entropy_potential,
 )
-from .base import ModelPotential, Params, _is_identity, initialize_sg_model
+from .base import ModelPotential, Params, initialize_sg_model
 from .schedules import StepSizeSchedule
 from .sgld import SGLD
 
@@ -29,14 +29,16 @@ __all__ = ["EntropyMCMC", "CoupledPotential"]
 
 
 class CoupledPotential:
-    r"""The potential of :func:`~pyro_flat.transforms.local_entropy` ``(model, eta)`` computed without tracing the
-    anchor and coupling sites: the model's own potential plus the coupling, added analytically,
+    r"""The potential of :func:`~pyro_flat.transforms.local_entropy` ``(model, eta)`` in the kernel's unconstrained
+    coordinates, computed without tracing the anchor and coupling sites: the model's own potential plus the coupling
+    (and the anchor prior), added analytically,
 
-    .. math:: U_\eta(z, \theta_a) = U(z) + \sum_{\text{sites}} \Big(\frac{\|x(z) - \theta_a\|^2}{2\eta}
-        \;\big[-\log\mathcal N(\theta_a; 0, s^2 I)\big]\Big),
+    .. math:: U_\eta(z, u) = U(z) + \sum_{\text{sites}} \Big(\frac{\|z - u\|^2}{2\eta}
+        \;\big[-\log\mathcal N(u; 0, s^2 I)\big]\Big),
 
-    where :math:`x(z)` is a site's constrained value (the transform couples constrained values) and the bracket is
-    present only with an anchor prior scale :math:`s`. It equals the potential of the transformed model exactly.
+    where :math:`z` and :math:`u` are a site's and its anchor's unconstrained values (the anchor's flat prior and the
+    sampler's Jacobian cancel) and the bracket is present only with an anchor prior scale :math:`s`. It equals the
+    potential of the transformed model exactly.
 
     :param potential: the model's :class:`~pyro_flat.infer.mcmc.ModelPotential`.
     :param float eta: :math:`\eta > 0`.
@@ -49,16 +51,12 @@ class CoupledPotential:
         self.eta = eta
         self.anchor_prior_scale = anchor_prior_scale
         self.sites = list(potential.transforms)
-        self._constrained = {k: t for k, t in potential.transforms.items() if not _is_identity(t)}
 
     def __call__(self, params: Mapping[str, Tensor]) -> Tensor:
         energy = self.potential({name: params[name] for name in self.sites})
         for name in self.sites:
-            value, anchor = params[name], params[anchor_name(name)]
-            transform = self._constrained.get(name)
-            if transform is not None:
-                value = transform.inv(value)
-            energy = energy + coupling_potential(value, anchor, self.eta)
+            anchor = params[anchor_name(name)]
+            energy = energy + coupling_potential(params[name], anchor, self.eta)
             if self.anchor_prior_scale is not None:
                 prior = dist.Normal(torch.zeros((), dtype=anchor.dtype, device=anchor.device), self.anchor_prior_scale)
                 energy = energy - prior.log_prob(anchor).sum()
@@ -69,29 +67,27 @@ class EntropyMCMC(SGLD):
     r"""Entropy-MCMC [1]: :class:`~pyro_flat.infer.mcmc.SGLD` on :func:`~pyro_flat.transforms.local_entropy`
     ``(model, eta)``, an :class:`~pyro.infer.mcmc.MCMCKernel` that samples from flat basins.
 
-    Target: the joint density of the latent sites :math:`\theta` and their anchors :math:`\theta_a` (sites
-    ``f"{name}_anchor"``),
+    Target: the joint density of the latent sites and their anchors (sites ``f"{name}_anchor"``, with the site's
+    support) in the kernel's unconstrained coordinates :math:`z` (the sites) and :math:`u` (the anchors),
 
-    .. math:: p_T(\theta, \theta_a\mid\mathcal D) \propto
-        \exp\Big(-\frac1T\Big[U(\theta) + \frac{\|\theta-\theta_a\|^2}{2\eta}\Big]\Big),
+    .. math:: p_T(z, u\mid\mathcal D) \propto \exp\Big(-\frac1T\Big[U(z) + \frac{\|z-u\|^2}{2\eta}\Big]\Big),
 
-    with :math:`U` the model's full-data potential, :math:`\eta` the coupling variance and :math:`T` the temperature.
-    Its :math:`\theta`-marginal is the tempered posterior; its :math:`\theta_a`-marginal is the tempered posterior
-    convolved with :math:`\mathcal N(0, \eta T I)`, which flattens sharp modes. Both blocks take the same SGLD step
-    (:func:`~pyro_flat.ops.diffusions.langevin_step`), with :math:`\tilde U` the minibatch estimate:
+    with :math:`U` the model's full-data potential (Jacobians included), :math:`\eta` the coupling variance and
+    :math:`T` the temperature (:func:`~pyro_flat.transforms.local_entropy`: the coupling lives in the unconstrained
+    coordinates, which for network weights are the weights). The sites' marginal is the tempered posterior; the
+    anchors' is that posterior convolved with :math:`\mathcal N(0, \eta T I)`, which flattens sharp modes. Both
+    blocks take the same SGLD step (:func:`~pyro_flat.ops.diffusions.langevin_step`), :math:`\tilde U` the minibatch
+    estimate:
 
     .. math::
-        \theta' &= \theta - \varepsilon\big[\nabla\tilde U(\theta) + (\theta-\theta_a)/\eta\big]
-                   + \sqrt{2\varepsilon T}\,\xi_1, \\
-        \theta_a' &= \theta_a - \varepsilon\,(\theta_a-\theta)/\eta + \sqrt{2\varepsilon T}\,\xi_2 .
+        z' &= z - \varepsilon\big[\nabla\tilde U(z) + (z-u)/\eta\big] + \sqrt{2\varepsilon T}\,\xi_1, \\
+        u' &= u - \varepsilon\,(u-z)/\eta + \sqrt{2\varepsilon T}\,\xi_2 .
 
-    The anchors start as copies of the weights. The kernel's ``model`` is the transformed model; its potential is
-    computed as :class:`CoupledPotential` (the original model traced once per step, the coupling added analytically),
-    which equals the transformed model's potential exactly and saves tracing two extra sites per latent site, so
-    ``SGLD(local_entropy(model, eta))`` gives the same chain at the same seed, only slower. The coupling pulls
-    :math:`\theta_a` towards regions where :math:`\theta` can move a lot (flat basins) and guides :math:`\theta`
-    there; within a finite budget both concentrate in flat basins, although at stationarity :math:`\theta` follows
-    the exact posterior.
+    The anchors start as copies of the sites. The potential is computed as :class:`CoupledPotential` (the original
+    model traced once per step, the coupling added analytically), which equals the transformed model's potential
+    exactly, so ``SGLD(local_entropy(model, eta))`` gives the same chain at the same seed, only slower. The coupling
+    pulls the anchors towards regions where the sites can move a lot (flat basins) and guides the sites there; within
+    a finite budget both concentrate in flat basins, although at stationarity the sites follow the exact posterior.
 
     **The paper's hyperparameters.** The authors' code writes the loss as a mean over the :math:`N` training
     points, with coupling :math:`\|\theta-\theta_a\|^2/(2\eta N)`, noise :math:`\sqrt{2\alpha T/N}` and learning rate
@@ -159,7 +155,6 @@ class EntropyMCMC(SGLD):
         flat_potential = None if potential_fn is None else local_entropy_potential(potential_fn, self.eta)
         self._base_potential = potential_fn
         self._sites: list[str] = []
-        self._constrained: dict[str, Transform] = {}
         super().__init__(
             flat_model,
             flat_potential,
@@ -177,42 +172,33 @@ class EntropyMCMC(SGLD):
         params, all_transforms = {}, {}
         for name, value in init.items():  # the transformed model's site order: each site, then its anchor
             params[name], all_transforms[name] = value, transforms[name]
-            params[anchor_name(name)] = transforms[name].inv(value).detach().clone()
-            all_transforms[anchor_name(name)] = identity_transform
+            params[anchor_name(name)] = value.detach().clone()  # unconstrained, like the site's
+            all_transforms[anchor_name(name)] = transforms[name]  # the anchor has the site's support
         coupled = CoupledPotential(potential, self.eta, self.anchor_prior_scale)
         self._base_potential = potential
         return params, coupled, all_transforms
 
     def _setup_chain(self, params: Params) -> None:
         self._sites = [k for k in params if not k.endswith(ANCHOR_SUFFIX)]
-        transforms = self.transforms or {}
-        self._constrained = {
-            k: transforms[k] for k in self._sites if k in transforms and not _is_identity(transforms[k])
-        }
 
     def _potential_grad(self, params: Mapping[str, Tensor]) -> tuple[Params, Tensor]:
-        """``(grad U_eta, U_eta)``: autograd through the model's potential only (and through the coupling of
-        constrained sites); the coupling of the other sites and the anchor prior are added analytically, which saves
-        several passes over both copies of the weights."""
+        """``(grad U_eta, U_eta)``: autograd through the model's potential only; the coupling and the anchor prior
+        are added analytically (all in unconstrained coordinates), which saves passes over both copies of the
+        weights."""
         eta, scale = self.eta, self.anchor_prior_scale
         leaves = {k: params[k].detach().requires_grad_(True) for k in self._sites}
-        for name in self._constrained:
-            leaves[anchor_name(name)] = params[anchor_name(name)].detach().requires_grad_(True)
         with torch.enable_grad():
-            energy = self._base_potential({k: leaves[k] for k in self._sites})
-            for name, transform in self._constrained.items():
-                energy = energy + coupling_potential(transform.inv(leaves[name]), leaves[anchor_name(name)], eta)
+            energy = self._base_potential(leaves)
             values = torch.autograd.grad(energy, list(leaves.values()), materialize_grads=True)
         grads = dict(zip(leaves, values, strict=True))
         energy = energy.detach()
         for name in self._sites:
             key = anchor_name(name)
-            if name not in self._constrained:
-                diff = params[name] - params[key]
-                pull = diff / eta
-                grads[name] = grads[name] + pull
-                grads[key] = -pull
-                energy = energy + diff.pow(2).sum() / (2 * eta)
+            diff = params[name] - params[key]
+            pull = diff / eta
+            grads[name] = grads[name] + pull
+            grads[key] = -pull
+            energy = energy + diff.pow(2).sum() / (2 * eta)
             if scale is not None:
                 anchor = params[key]
                 grads[key] = grads[key] + anchor / scale**2
@@ -225,9 +211,7 @@ class EntropyMCMC(SGLD):
         for name in [k for k in params if not k.endswith(ANCHOR_SUFFIX)]:
             key = anchor_name(name)
             if key not in params:
-                transform = (self.transforms or {}).get(name)
-                value = params[name] if transform is None else transform.inv(params[name])
-                params[key] = value.detach().clone()
+                params[key] = params[name].detach().clone()  # unconstrained, like the site's
         return params
 
     def _default_save_params(self) -> list[str] | None:

@@ -171,6 +171,24 @@ def test_divergence_of_the_potential_is_reported():
             params = kernel.sample(params)
 
 
+@pytest.mark.parametrize("validation", [False, True])
+def test_nan_in_the_data_is_blamed_on_the_data_not_the_step_size(validation):
+    # issue 11: with NaN in the data the message advised lowering the step size
+    y = torch.randn(10)
+    y[3] = float("nan")
+
+    def model(y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y), subsample_size=5) as idx:
+            pyro.sample("obs", dist.Normal(w, 1.0), obs=y[idx])
+
+    pyro.enable_validation(validation)
+    mcmc = MCMC(SGLD(model, step_size=1e-3, divergence_check_every=1), num_samples=50, disable_progbar=True)
+    with pytest.raises(FloatingPointError, match=r"data hold NaN or infinite values \(argument 'y': 1 of 10") as err:
+        mcmc.run(y)
+    assert "lower the step size" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     "build, match",
     [
