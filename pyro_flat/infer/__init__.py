@@ -7,7 +7,7 @@ from .elbo import KLBallELBO, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .particles import BatchedMAP, BatchedPotential, BatchedSGLD, init_particles
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
-from .util import at_latent_values, is_latent_site, latent_sites
+from .util import at_latent_values, is_latent_site, latent_sites, latent_supports
 
 __all__ = [
     "autoguide",
@@ -35,6 +35,7 @@ __all__ = [
     "is_latent_site",
     "at_latent_values",
     "latent_sites",
+    "latent_supports",
     "predict_logits",
     "sample_draws",
     "set_prediction_mode",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import torch
 from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
+from torch.distributions import constraints
 
 
 def is_latent_site(site: dict) -> bool:
@@ -39,3 +41,26 @@ def at_latent_values(model: Callable, values: Mapping[str, Tensor]) -> Callable:
     for name, value in values.items():
         trace.add_node(name, type="sample", name=name, value=value, is_observed=False, infer={})
     return poutine.replay(model, trace=trace)
+
+
+def is_real_support(support: constraints.Constraint) -> bool:
+    """Whether ``support`` is the real line (possibly as an ``independent`` event): no transform, no Jacobian."""
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support is constraints.real
+
+
+def latent_supports(model: Callable, *args: object, **kwargs: object) -> dict[str, constraints.Constraint]:
+    """The supports of the latent sites of ``model``: ``{site: constraint}``, in trace order.
+
+    ``model`` may be a Pyro model (run once with ``args``/``kwargs``, hidden from enclosing handlers, without
+    gradients and without updating BatchNorm statistics) or an autoguide that has been run once (its prototype
+    trace is read; no arguments needed).
+    """
+    from .replay import batchnorm_statistics_frozen
+
+    trace = getattr(model, "prototype_trace", None)
+    if trace is None:
+        with torch.no_grad(), poutine.block(), batchnorm_statistics_frozen():
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+    return {name: site["fn"].support for name, site in trace.nodes.items() if is_latent_site(site)}

@@ -43,7 +43,8 @@ minibatch at the guide's values — no prior term, since the prior enters throug
             return loss
 
         opt.step(closure)
-    draws = [opt.sampled_draw(guide.median) for _ in range(30)]   # then bma_predict(model, draws, x_test)
+    posterior = opt.guide(model, guide)                           # N(m, 1/(N s)) as a Pyro guide
+    Predictive(model, guide=posterior, num_samples=30)(x_test)    # or bma_predict(model, guide_draws(...), x_test)
 
 References:
     [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
@@ -54,12 +55,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import Any
 
 import torch
+from pyro.infer.autoguide import AutoDelta
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..infer.autoguide.swag import AutoGaussianPosterior
 from ..ops.bayesian_sam import (
     bsam_curvature,
     bsam_noisy_params,
@@ -290,6 +294,31 @@ class BayesianSAM(Optimizer):
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(params, means)
+
+    def guide(self, model: Callable, delta_guide: AutoDelta) -> AutoGaussianPosterior:
+        r"""bSAM's posterior :math:`\mathcal N(m, 1/(Ns))` as a post-hoc Pyro guide for ``Predictive``, for bSAM run
+        on the parameters of ``delta_guide`` (an ``AutoDelta`` of ``model``, the documented usage).
+
+        ``AutoDelta`` keeps each site's value as an unconstrained tensor, so :math:`m` and the variance live in each
+        site's unconstrained space (for network weights, the weights themselves); the guide maps its draws into the
+        supports, as :class:`~pyro_flat.infer.autoguide.AutoSWAG` does for SWAG. A snapshot: later steps do not
+        change it.
+
+        :raises ValueError: if ``delta_guide`` is not an ``AutoDelta`` that has run, or one of its sites' parameters
+            is not trained by this optimizer.
+        """
+        if not isinstance(delta_guide, AutoDelta) or delta_guide.prototype_trace is None:
+            raise ValueError("BayesianSAM.guide: `delta_guide` must be an AutoDelta that has run once")
+        params = [p for group in self.param_groups for p in self._group_state(group)[0]]
+        std = {id(p): sd for p, sd in zip(params, self.posterior_std(), strict=True)}
+        mean, variance = {}, {}
+        for name, _ in delta_guide.prototype_trace.iter_stochastic_nodes():
+            leaf = attrgetter(f"{name}_unconstrained")(delta_guide)  # AutoDelta's PyroParam storage
+            if id(leaf) not in std:
+                raise ValueError(f"BayesianSAM.guide: the parameter of site {name!r} is not trained by this optimizer")
+            mean[name] = leaf.detach().clone()
+            variance[name] = std[id(leaf)].square()
+        return AutoGaussianPosterior(model, mean, variance)
 
     def sampled_draw(self, read: Callable[[], Mapping[str, Tensor]], generator: torch.Generator | None = None) -> dict[
         str, Tensor

@@ -66,12 +66,12 @@ from pyro.poutine.indep_messenger import CondIndepStackFrame
 from pyro.poutine.runtime import get_plates
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor, nn
-from torch.distributions import biject_to, constraints
+from torch.distributions import biject_to
 from torch.distributions.transforms import Transform
 
 from ..distributed import all_reduce_mean, check_distributed
 from ..infer.replay import RunRecorder
-from ..infer.util import is_latent_site
+from ..infer.util import is_latent_site, is_real_support
 from ..ops.sam import check_radius, sam_perturbation
 from ._outer import outer_effect
 
@@ -156,13 +156,6 @@ def check_options(rho: float, adaptive: bool, freeze_batchnorm: bool, distribute
         if not isinstance(flag, bool):
             raise ValueError(f"`{name}` must be a bool, got {flag!r}")
     return rho
-
-
-def is_real_support(support: constraints.Constraint) -> bool:
-    """Whether ``support`` is the real line (possibly as an ``independent`` event): no transform, no Jacobian."""
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support is constraints.real
 
 
 def _plate_positions(value: Tensor, event_dim: int, frames: Sequence[CondIndepStackFrame]) -> list[int]:

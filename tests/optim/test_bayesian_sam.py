@@ -281,3 +281,42 @@ def test_bad_param_group_and_closure():
         opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)], "damping": -1.0})
     with pytest.raises(ValueError, match="closure"):
         opt.step()
+
+
+def test_guide_is_the_posterior_gaussian_of_the_optimizer_and_predicts_in_the_support():
+    # bSAM on an AutoDelta's unconstrained parameters: the guide is N(m, 1/(N s)) per site, mapped to the supports
+    import pyro
+    import pyro.distributions as dist
+    from pyro.infer import Predictive
+
+    def model(y=None):
+        s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("data", 8):
+            pyro.sample("y", dist.Normal(w.sum(), s), obs=y)
+
+    y = torch.linspace(-1.0, 1.0, 8)
+    delta = AutoDelta(model)
+    delta(y)
+    opt = BayesianSAM(delta.parameters(), lr=0.1, num_data=8, rho=0.01)
+
+    def closure():
+        loss = -pyro.poutine.trace(pyro.poutine.replay(model, trace=pyro.poutine.trace(delta).get_trace(y))) \
+            .get_trace(y).nodes["y"]["fn"].log_prob(y).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    guide = opt.guide(model, delta)
+    posterior = guide.get_posterior(y)
+    m = torch.cat([delta.s_unconstrained.detach().reshape(1), delta.w_unconstrained.detach()])
+    params = [delta.s_unconstrained, delta.w_unconstrained]
+    std = dict(zip([id(p) for p in opt.param_groups[0]["params"]], opt.posterior_std(), strict=True))
+    variance = torch.cat([std[id(p)].square().reshape(-1) for p in params])
+    torch.testing.assert_close(posterior.mean, m)
+    torch.testing.assert_close(posterior.variance, variance)
+    draws = Predictive(model, guide=guide, num_samples=50)(y)
+    assert (draws["s"] > 0).all() and draws["w"].shape[0] == 50 and draws["w"].shape[-1] == 2  # Pyro adds a plate dim
+    with pytest.raises(ValueError, match="AutoDelta that has run once"):
+        opt.guide(model, AutoDelta(model))

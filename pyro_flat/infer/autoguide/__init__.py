@@ -3,6 +3,8 @@ built from any trajectory (:class:`AutoSWAG`, :class:`SWAGCollector`) and the tr
 Gaussian guide of SA-BMA (:class:`AutoLowRankPlusDiagonalNormal`)."""
 
 from .low_rank import AutoLowRankPlusDiagonalNormal
-from .swag import AutoSWAG, LowRankPlusDiagonalNormal, SWAGCollector
+from .swag import AutoGaussianPosterior, AutoSWAG, LowRankPlusDiagonalNormal, SWAGCollector
 
-__all__ = ["AutoLowRankPlusDiagonalNormal", "AutoSWAG", "LowRankPlusDiagonalNormal", "SWAGCollector"]
+__all__ = [
+    "AutoGaussianPosterior", "AutoLowRankPlusDiagonalNormal", "AutoSWAG", "LowRankPlusDiagonalNormal", "SWAGCollector"
+]

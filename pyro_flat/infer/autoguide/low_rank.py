@@ -30,12 +30,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn import PyroParam
 from torch import Tensor, nn
 
 from ...ops.low_rank import swag_to_low_rank
+from ..util import is_real_support
+from .swag import SWAGCollector
 
 __all__ = ["AutoLowRankPlusDiagonalNormal"]
 
@@ -70,6 +73,7 @@ class AutoLowRankPlusDiagonalNormal(AutoLowRankMultivariateNormal):
         if isinstance(rank, bool):
             raise ValueError(f"`rank` must be an int >= 1 or None, got {rank!r}")
         self._initial_parameters: tuple[Tensor, Tensor, Tensor] | None = None
+        self._swag: tuple[SWAGCollector, float] | None = None
         super().__init__(model, init_loc_fn=init_loc_fn, init_scale=init_scale, rank=rank)
 
     @classmethod
@@ -108,32 +112,29 @@ class AutoLowRankPlusDiagonalNormal(AutoLowRankMultivariateNormal):
         return guide
 
     @classmethod
-    def from_swag(cls, model: Callable, swag: object, *, scale: float = 0.5) -> AutoLowRankPlusDiagonalNormal:
+    def from_swag(cls, model: Callable, swag: SWAGCollector, *, scale: float = 0.5) -> AutoLowRankPlusDiagonalNormal:
         """A guide that starts at a fitted SWAG posterior.
 
         :param model: the Pyro model the SWAG iterates belong to.
-        :param swag: any object with ``flat_mean()`` ``[P]``, ``flat_variance()`` ``[P]`` and ``deviation_matrix()``
-            ``[P, K]`` methods returning flat tensors in AutoContinuous order, e.g. a
-            :class:`~pyro_flat.infer.autoguide.SWAGCollector` fed ``{site: value}`` dicts in the model's latent-site
-            order. If it has a ``values_dtype`` attribute (the collector's dtype of the collected values, when the
-            moments are accumulated in float64), the guide's parameters take that dtype.
+        :param swag: a :class:`~pyro_flat.infer.autoguide.SWAGCollector`. Its sites are matched to the model's by
+            name at the guide's first call (any collection order); a constrained site collected in the model's space
+            without its support is refused (as :class:`~pyro_flat.infer.autoguide.AutoSWAG` does). The guide's
+            parameters take the dtype of the collected values.
         :param scale: SWAG's covariance scale :math:`c` (default 0.5).
         """
-        needed = ("flat_mean", "flat_variance", "deviation_matrix")
-        missing = [m for m in needed if not callable(getattr(swag, m, None))]
-        if missing:
-            raise ValueError(
-                f"`swag` must provide flat_mean(), flat_variance() and deviation_matrix(); {type(swag).__name__} "
-                f"lacks {missing}"
-            )
-        moments = (swag.flat_mean(), swag.flat_variance(), swag.deviation_matrix())
-        dtype = getattr(swag, "values_dtype", None)
-        if dtype is not None:
-            moments = tuple(m.to(dtype) for m in moments)
-        return cls.from_moments(model, *moments, scale=scale)
+        if not isinstance(swag, SWAGCollector):
+            raise ValueError(f"`swag` must be a SWAGCollector, got {type(swag).__name__}")
+        if swag.num_collected == 0:
+            raise ValueError("from_swag: the collector is empty; collect iterates first")
+        guide = cls(model, rank=swag.rank)
+        guide._swag = (swag, float(scale))
+        return guide
 
     def _setup_prototype(self, *args: object, **kwargs: object) -> None:
         super()._setup_prototype(*args, **kwargs)
+        if self._swag is not None:
+            self._initial_parameters = self._moments_in_model_order(*self._swag)
+            self._swag = None
         if self._initial_parameters is None:
             return
         loc, diag_scale, factor = self._initial_parameters
@@ -146,3 +147,25 @@ class AutoLowRankPlusDiagonalNormal(AutoLowRankMultivariateNormal):
         self.loc = nn.Parameter(loc)
         self.scale = PyroParam(diag_scale, self.scale_constraint)
         self.cov_factor = nn.Parameter(factor)
+
+    def _moments_in_model_order(self, swag: SWAGCollector, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        sites = {name: site for name, site in self.prototype_trace.iter_stochastic_nodes()}
+        if set(sites) != set(swag.sites):
+            raise ValueError(
+                f"from_swag: the collector holds the sites {list(swag.sites)}, the model's latent sites are "
+                f"{list(sites)}"
+            )
+        for name, site in sites.items():
+            if not is_real_support(site["fn"].support) and not swag.space_known(name):
+                raise ValueError(
+                    f"from_swag: site {name!r} has support {site['fn'].support} but the collector received its values "
+                    "in the model's space without that support; build it with SWAGCollector(..., supports=...) or "
+                    "collect unconstrained values"
+                )
+        order = list(self._unconstrained_shapes)
+        mean, variance = swag.mean(), swag.variance()
+        columns = swag._unflatten_columns(swag.deviation_matrix())
+        dtype = swag.values_dtype
+        flat = [torch.cat([m[n].reshape(-1) for n in order]).to(dtype) for m in (mean, variance)]
+        deviations = torch.cat([columns[n].reshape(-1, swag.rank) for n in order]).to(dtype)
+        return swag_to_low_rank(flat[0], flat[1], deviations, scale=scale, min_variance=swag.var_clamp)

@@ -22,16 +22,22 @@ Two objects:
   :func:`~pyro_flat.infer.guide_draws` and :func:`~pyro_flat.infer.bma_predict` (which recomputes BatchNorm statistics
   for every draw when given ``batchnorm_inputs``).
 
-**Collecting from any trajectory** (the values are in *unconstrained* space, which for real-valued network weights is
-the latent space itself):
+**Spaces.** The moments are kept in the *unconstrained* space of each site (``biject_to(support).inv``; for the
+real-valued weights of a network it is the latent space itself), where a Gaussian is a sensible family.
+:meth:`SWAGCollector.collect` takes values in the **model's space** (constrained, as Pyro returns them everywhere)
+and maps them with the sites' supports given to the collector (``supports=``, e.g. :func:`latent_supports`);
+:meth:`SWAGCollector.collect_unconstrained` takes unconstrained values (a kernel's state, a guide's unconstrained
+locations). A guide built for a constrained site whose space the collector cannot know (model-space values without
+the site's support) is refused with an error naming the site. Collecting from any trajectory:
 
-* SGD/Adam MAP with ``AutoDelta`` through Pyro's ``SVI``, or the means of an SVI guide (``AutoNormal``):
-  ``callback = collector.callback(guide.median, every=steps_per_epoch, start=swa_start_step)``, called as
-  ``callback(step)`` after every step (``pyro_flat.bench.run_svi(..., callback=callback)`` does that).
+* SGD/Adam MAP with ``AutoDelta`` through Pyro's ``SVI``, or the means of an SVI guide: ``collector =
+  SWAGCollector(supports=latent_supports(guide))`` then ``callback = collector.callback(guide.median,
+  every=steps_per_epoch, start=swa_start_step)``, called as ``callback(step)`` after every step;
 * SAM / bSAM / any torch optimizer on a dict of tensors ``theta``: ``collector.collect(theta)`` once per epoch
-  (SWAG from SAM iterates **is F-SWAG** [3]).
+  (SWAG from SAM iterates **is F-SWAG** [3]);
 * SG-MCMC (SGLD) through Pyro's ``MCMC``: ``MCMC(kernel, ..., hook_fn=collector.mcmc_hook(every=10))`` (Pyro
-  passes the kernel's unconstrained state), or afterwards ``collector.collect_samples(mcmc.get_samples())``.
+  passes the kernel's unconstrained state), or afterwards ``collector.collect_samples(mcmc.get_samples())`` (model
+  space).
 
 **Flattening order.** The flat vectors (:meth:`SWAGCollector.flat_mean`, :meth:`~SWAGCollector.flat_variance`,
 :meth:`~SWAGCollector.deviation_matrix`) concatenate the sites in the order of the first collected dict. Collected from
@@ -62,8 +68,10 @@ from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.guides import prototype_hide_fn
 from pyro.infer.autoguide.initialization import init_to_sample
 from torch import Tensor
+from torch.distributions import biject_to
 
 from ...ops.moments import VARIANCE_CLAMP, DeviationBuffer, diagonal_variance, update_running_moments
+from ..util import is_real_support, latent_supports
 
 
 def _check_scale(scale: float) -> float:
@@ -83,14 +91,23 @@ class SWAGCollector:
         values (as the reference code). ``torch.float64`` avoids the cancellation in :math:`m_2-\bar\theta^2` for
         float32 weights whose variance is below about :math:`10^{-7}|\bar\theta|^2`. The guide casts back to the
         values' dtype.
+    :param supports: ``{site: constraint}`` of the collected sites (e.g. :func:`latent_supports`), so that
+        :meth:`collect` maps model-space values of constrained sites to unconstrained space; default ``None`` (every
+        site real-valued, as a network's weights).
 
-    Call :meth:`collect` with a dict ``{site: tensor}`` of the current iterate. The first call fixes the sites, their
-    order (see the module docstring), shapes, dtype and device. ``num_collected`` counts the iterates; ``rank`` is
+    Call :meth:`collect` (model space) or :meth:`collect_unconstrained` with a dict ``{site: tensor}`` of the current
+    iterate — one of the two for the collector's whole life. The first call fixes the sites, their order (see the
+    module docstring), unconstrained shapes, dtype and device. ``num_collected`` counts the iterates; ``rank`` is
     :math:`K=\min(\text{num\_collected}, K_{\max})`.
     """
 
     def __init__(
-        self, max_rank: int = 20, *, var_clamp: float = VARIANCE_CLAMP, dtype: torch.dtype | None = None
+        self,
+        max_rank: int = 20,
+        *,
+        var_clamp: float = VARIANCE_CLAMP,
+        dtype: torch.dtype | None = None,
+        supports: Mapping[str, constraints.Constraint] | None = None,
     ) -> None:
         if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
             raise ValueError(f"SWAGCollector: `max_rank` must be an int >= 1, got {max_rank!r}")
@@ -98,9 +115,15 @@ class SWAGCollector:
             raise ValueError(f"SWAGCollector: `var_clamp` must be a number > 0, got {var_clamp!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"SWAGCollector: `dtype` must be a floating torch.dtype or None, got {dtype!r}")
+        if supports is not None and not (
+            isinstance(supports, Mapping) and all(isinstance(c, constraints.Constraint) for c in supports.values())
+        ):
+            raise ValueError(f"SWAGCollector: `supports` must be a dict {{site: constraint}} or None, got {supports!r}")
         self.max_rank = max_rank
         self.var_clamp = float(var_clamp)
         self.dtype = dtype
+        self.supports: dict[str, constraints.Constraint] = dict(supports or {})
+        self.space: str | None = None  # "model" or "unconstrained", fixed by the first collection
         self.values_dtype: torch.dtype | None = None
         self.num_collected = 0
         self._shapes: dict[str, torch.Size] = {}
@@ -146,8 +169,41 @@ class SWAGCollector:
 
     @torch.no_grad()
     def collect(self, values: Mapping[str, Tensor]) -> None:
-        r"""Add one iterate ``{site: value}``: update :math:`\bar\theta`, :math:`m_2` and append
-        :math:`\theta-\bar\theta` (new mean) to the deviations. No host synchronisation."""
+        r"""Add one iterate ``{site: value}`` given in the **model's space** (constrained, e.g. ``guide.median()``):
+        map it to unconstrained space with the collector's ``supports``, then update :math:`\bar\theta`, :math:`m_2`
+        and append :math:`\theta-\bar\theta` (new mean) to the deviations. No host synchronisation."""
+        self._use_space("model")
+        self._collect({name: self._unconstrain(name, value) for name, value in values.items()}
+                      if isinstance(values, Mapping) else values)
+
+    @torch.no_grad()
+    def collect_unconstrained(self, values: Mapping[str, Tensor]) -> None:
+        """Add one iterate ``{site: value}`` already in unconstrained space (a kernel's state, an ``AutoNormal``'s
+        unconstrained locations)."""
+        self._use_space("unconstrained")
+        self._collect(values)
+
+    def _use_space(self, space: str) -> None:
+        if self.space is None:
+            self.space = space
+        elif self.space != space:
+            raise ValueError(
+                f"SWAGCollector: this collector holds values given in {self.space} space; collect every iterate the "
+                f"same way ({'collect' if self.space == 'model' else 'collect_unconstrained'})"
+            )
+
+    def _unconstrain(self, name: str, value: Tensor) -> Tensor:
+        support = self.supports.get(name)
+        if support is None or is_real_support(support):
+            return value
+        return biject_to(support).inv(value)
+
+    def space_known(self, name: str) -> bool:
+        """Whether the collected values of site ``name`` are known to be unconstrained (collected unconstrained, or
+        mapped with the site's support); a real-valued site's spaces coincide anyway."""
+        return self.space == "unconstrained" or name in self.supports
+
+    def _collect(self, values: Mapping[str, Tensor]) -> None:
         if self._mean is None:
             self._allocate(values)
         theta = self._flatten(values)
@@ -156,7 +212,8 @@ class SWAGCollector:
         self.num_collected += 1
 
     def collect_samples(self, samples: Mapping[str, Tensor]) -> None:
-        """Collect every draw of stacked samples ``{site: [S, ...]}`` (e.g. ``mcmc.get_samples()``), in order."""
+        """Collect every draw of stacked samples ``{site: [S, ...]}`` in the model's space (e.g.
+        ``mcmc.get_samples()``), in order (see :meth:`collect`)."""
         if not samples:
             raise ValueError("SWAGCollector.collect_samples: `samples` is empty")
         sizes = {v.shape[0] for v in samples.values()}
@@ -171,8 +228,8 @@ class SWAGCollector:
         """A ``callback(step)`` (0-based step index, called after each step) collecting ``source()`` after every
         ``every``-th step past ``start``: after steps ``start + every - 1``, ``start + 2 every - 1``, ...
 
-        :param source: returns the current iterate, e.g. ``guide.median`` (``AutoDelta`` or the means of an
-            ``AutoNormal``).
+        :param source: returns the current iterate in the model's space (:meth:`collect`), e.g. ``guide.median``
+            (``AutoDelta``, or the medians of an ``AutoNormal``).
         :param int every: steps between collections (``steps_per_epoch`` for once per epoch), >= 1.
         :param int start: the number of steps before collection starts (``swa_start`` epochs x steps per epoch).
         """
@@ -190,13 +247,13 @@ class SWAGCollector:
 
     def mcmc_hook(self, every: int = 1) -> Callable[[object, Mapping[str, Tensor], str, int], None]:
         """A ``hook_fn`` for :class:`pyro.infer.MCMC` collecting every ``every``-th sample of the sampling phase
-        (not warm-up) from the kernel's unconstrained state."""
+        (not warm-up) from the kernel's unconstrained state (:meth:`collect_unconstrained`)."""
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"SWAGCollector.mcmc_hook: `every` must be an int >= 1, got {every!r}")
 
         def hook(kernel: object, params: Mapping[str, Tensor], stage: str, i: int) -> None:
             if stage.startswith("Sample") and i % every == 0:
-                self.collect(params)
+                self.collect_unconstrained(params)
 
         return hook
 
@@ -215,7 +272,7 @@ class SWAGCollector:
 
     @property
     def sites(self) -> dict[str, torch.Size]:
-        """The collected sites and their shapes, in flattening order."""
+        """The collected sites and their unconstrained shapes, in flattening order."""
         return dict(self._shapes)
 
     def _unflatten(self, flat: Tensor) -> dict[str, Tensor]:
@@ -223,6 +280,15 @@ class SWAGCollector:
         for name, shape in self._shapes.items():
             n = math.prod(shape)
             out[name] = flat[pos : pos + n].reshape(shape)
+            pos += n
+        return out
+
+    def _unflatten_columns(self, flat: Tensor) -> dict[str, Tensor]:
+        """Split the rows of a ``[P, K]`` matrix per site, shaped ``[*site_shape, K]``."""
+        out, pos = {}, 0
+        for name, shape in self._shapes.items():
+            n = math.prod(shape)
+            out[name] = flat[pos : pos + n].reshape(*shape, flat.shape[-1])
             pos += n
         return out
 
@@ -253,7 +319,7 @@ class SWAGCollector:
         return ((self._sq_mean - self._mean.square()) <= self.var_clamp).sum()
 
     def mean(self) -> dict[str, Tensor]:
-        """:meth:`flat_mean` per site (the SWA solution)."""
+        """:meth:`flat_mean` per site (the SWA solution), in unconstrained space."""
         return self._unflatten(self.flat_mean())
 
     def variance(self) -> dict[str, Tensor]:
@@ -276,6 +342,8 @@ class SWAGCollector:
             "num_collected": self.num_collected,
             "sites": {k: tuple(v) for k, v in self._shapes.items()},
             "values_dtype": self.values_dtype,
+            "space": self.space,
+            "supports": dict(self.supports),
         }
         if self._mean is not None:
             state["mean"] = self._mean.clone()
@@ -292,6 +360,8 @@ class SWAGCollector:
         self.num_collected = int(state["num_collected"])
         self._shapes = {k: torch.Size(v) for k, v in state["sites"].items()}
         self.values_dtype = state.get("values_dtype")
+        self.space = state.get("space")
+        self.supports = dict(state.get("supports", {}))
         if "mean" not in state:
             self._mean = self._sq_mean = self._deviations = None
             return
@@ -369,53 +439,174 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
         return self
 
 
-class _InitToValues:
-    """An ``init_loc_fn`` returning given values (the SWA mean) for their sites, a prior draw for any other site."""
-
-    def __init__(self, values: Mapping[str, Tensor]) -> None:
-        self.values = dict(values)
-
-    def __call__(self, site: dict) -> Tensor:
-        if site["name"] in self.values:
-            return self.values[site["name"]].detach().clone()
-        return init_to_sample(site)
+def _flat(values: Mapping[str, Tensor], names: list[str]) -> Tensor:
+    return torch.cat([values[n].detach().reshape(-1) for n in names])
 
 
-class AutoSWAG(AutoContinuous):
-    r"""The SWAG posterior of a :class:`SWAGCollector` as a post-hoc Pyro guide (parameters are buffers).
+class AutoGaussianPosterior(AutoContinuous):
+    r"""A fixed Gaussian over the model's latent sites in unconstrained space, given by its moments, as a post-hoc
+    Pyro guide (every parameter a **buffer**: nothing to train, like the guide ``AutoLaplaceApproximation``
+    returns). SWAG (:class:`AutoSWAG`), HWA and Bayesian SAM (:meth:`pyro_flat.optim.BayesianSAM.guide`) all end in
+    one, so that ``Predictive(model, guide=...)``, :func:`~pyro_flat.infer.guide_draws` and
+    :func:`~pyro_flat.infer.bma_predict` use them the same way.
+
+    .. math:: q(z) = \mathcal N\big(\mu,\ \operatorname{diag}(v) + WW^\top\big),\qquad \theta = t^{-1}(z),
+
+    :math:`z` the unconstrained values of the sites (``biject_to(support).inv``; the values themselves for real
+    sites) and :math:`\theta` what the guide returns, in each site's support (Pyro's ``AutoContinuous`` adds the
+    Jacobian). ``median()`` is :math:`t^{-1}(\mu)`.
+
+    :param model: the Pyro model whose latent sites the moments describe (same names, unconstrained shapes).
+    :param mean: :math:`\mu` per site, unconstrained.
+    :param variance: :math:`v>0` per site.
+    :param factor: :math:`W` per site, shaped ``[*site_shape, K]`` (default ``None``: diagonal).
+    :raises ValueError: for a non-positive variance or inconsistent shapes; at the first call, if the model's latent
+        sites differ from the given ones.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        mean: Mapping[str, Tensor],
+        variance: Mapping[str, Tensor],
+        factor: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        if not isinstance(mean, Mapping) or not mean:
+            raise ValueError(f"{owner}: `mean` must be a non-empty dict {{site: tensor}}")
+        names = list(mean)
+        self._shapes = {n: mean[n].shape for n in names}
+        for what, moments in (("variance", variance), ("factor", factor)):
+            if moments is not None and (not isinstance(moments, Mapping) or set(moments) != set(names)):
+                raise ValueError(f"{owner}: `{what}` must be a dict over the sites {names}")
+        for n in names:
+            if variance[n].shape != self._shapes[n]:
+                raise ValueError(f"{owner}: `variance[{n!r}]` must have shape {tuple(self._shapes[n])}")
+            if factor is not None and factor[n].shape[:-1] != self._shapes[n]:
+                raise ValueError(f"{owner}: `factor[{n!r}]` must have shape {tuple(self._shapes[n])} + (K,)")
+        flat_mean, flat_variance = _flat(mean, names), _flat(variance, names)
+        if not bool((flat_variance > 0).all()):
+            raise ValueError(f"{owner}: `variance` must be > 0 everywhere")
+        rank = 0 if factor is None else next(iter(factor.values())).shape[-1]
+        flat_factor = flat_mean.new_zeros(len(flat_mean), 0) if factor is None else torch.cat(
+            [factor[n].detach().reshape(-1, rank) for n in names]
+        )
+        super().__init__(model, init_loc_fn=self._init_at_mean)
+        self.register_buffer("posterior_mean", flat_mean)
+        self.register_buffer("posterior_variance", flat_variance.to(flat_mean))
+        self.register_buffer("posterior_factor", flat_factor.to(flat_mean))
+
+    def _init_at_mean(self, site: dict) -> Tensor:
+        """The prototype's values: the mean mapped into each site's support (so that validation holds and a network
+        is run at the mean, e.g. the SWA weights); other sites from their prior."""
+        name = site["name"]
+        if name not in self._shapes:
+            return init_to_sample(site)
+        offset = 0
+        for n, shape in self._shapes.items():
+            if n == name:
+                break
+            offset += math.prod(shape)
+        z = self.posterior_mean[offset : offset + math.prod(self._shapes[name])].reshape(self._shapes[name])
+        return biject_to(site["fn"].support)(z).detach()
+
+    def _check_site(self, name: str, support: constraints.Constraint) -> None:
+        """Hook: refuse a site whose moments may not be in unconstrained space (see :class:`AutoSWAG`)."""
+
+    def _prototype_hide_fn(self, msg: dict) -> bool:
+        # the guide covers exactly the given sites; the model draws every other site itself (e.g. the observation
+        # site, which is not observed when Predictive calls the model without targets)
+        return prototype_hide_fn(msg) or msg["name"] not in self._shapes
+
+    def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        try:
+            super()._setup_prototype(*args, **kwargs)
+        except RuntimeError:  # AutoContinuous found none of the sites in the model
+            if self.prototype_trace is None:
+                raise
+        found = {name: site for name, site in self.prototype_trace.iter_stochastic_nodes()}
+        missing = [name for name in self._shapes if name not in found]
+        if missing:
+            self.prototype_trace = None
+            raise ValueError(
+                f"{owner}: the sites {missing} are not latent sample sites of the model (its latent sites among the "
+                f"given ones: {list(found)})"
+            )
+        for name, site in found.items():
+            self._check_site(name, site["fn"].support)
+        model_shapes = dict(self._unconstrained_shapes)
+        for name, shape in model_shapes.items():
+            if torch.Size(shape) != torch.Size(self._shapes[name]):
+                raise ValueError(
+                    f"{owner}: site {name!r} has unconstrained shape {tuple(shape)} in the model, "
+                    f"{tuple(self._shapes[name])} in the moments"
+                )
+        offsets, pos = {}, 0
+        for name, shape in self._shapes.items():
+            offsets[name] = pos
+            pos += math.prod(shape)
+        # the model's order equals the moments' iff the sites come in the same order (their shapes match)
+        identity = list(model_shapes) == list(self._shapes)
+        device = self.posterior_mean.device
+        self._order = None if identity else torch.cat(
+            [torch.arange(offsets[n], offsets[n] + math.prod(s), device=device) for n, s in model_shapes.items()]
+        )
+
+    def _ordered(self, t: Tensor) -> Tensor:
+        return t if self._order is None else t[self._order.to(t.device)]
+
+    def get_posterior(self, *args: Any, **kwargs: Any) -> dist.TorchDistribution:
+        """The Gaussian over the packed unconstrained latent vector (model trace order); the guide must have run once
+        (or pass the model's arguments)."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        return LowRankPlusDiagonalNormal(
+            self._ordered(self.posterior_mean), self._ordered(self.posterior_variance),
+            self._ordered(self.posterior_factor),
+        )
+
+    def _loc_scale(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """The mean and marginal standard deviations (for ``median()`` and ``quantiles()``; pass the model's
+        arguments the first time if the guide has not been called yet)."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        posterior = self.get_posterior()
+        return posterior.mean, posterior.variance.sqrt()
+
+
+class AutoSWAG(AutoGaussianPosterior):
+    r"""The SWAG posterior of a :class:`SWAGCollector` as a post-hoc Pyro guide (an
+    :class:`AutoGaussianPosterior`):
 
     .. math::
-        q(\theta) = \mathcal N\Big(\bar\theta,\ \lambda\big(\Sigma_{\mathrm{diag}} + \tfrac{1}{K-1}DD^\top\big)\Big)
+        q(z) = \mathcal N\Big(\bar\theta,\ \lambda\big(\Sigma_{\mathrm{diag}} + \tfrac{1}{K-1}DD^\top\big)\Big)
 
-    over the model's latent sites in unconstrained space; sampling is
-    :math:`\bar\theta+\sqrt\lambda(\Sigma_{\mathrm{diag}}^{1/2}z_1 + Dz_2/\sqrt{K-1})`, as the reference
-    ``sample(scale, cov=True)``, with :math:`K` the number of deviation columns *held* (the reference divides by
-    ``max_num_models - 1`` even before that many exist). ``median()`` is :math:`\bar\theta`, the SWA solution.
+    over the sites' unconstrained values :math:`z`, sampled as :math:`\bar\theta+\sqrt\lambda(\Sigma_{\mathrm{diag}}
+    ^{1/2}z_1 + Dz_2/\sqrt{K-1})`, as the reference ``sample(scale, cov=True)``, with :math:`K` the number of
+    deviation columns *held* (the reference divides by ``max_num_models - 1`` even before that many exist).
+    ``median()`` is :math:`\bar\theta` mapped to the support: the SWA solution.
 
-    :param model: the Pyro model whose latent sites were collected (same names and shapes).
+    :param model: the Pyro model whose latent sites were collected.
     :param SWAGCollector collector: the moments; copied at construction (later collection does not change the guide).
     :param float scale: :math:`\lambda>0`; default 0.5 (SWAG [1]). Use 1.0 with ``diagonal_only`` for SWAG-Diagonal;
         F-BNN [3] uses 0.1 (F-SWAG) and 0.2 (F-SWAG-Diagonal).
     :param bool diagonal_only: drop the low-rank term (SWAG-Diagonal); default ``False``. Without it the collector
         must hold :math:`K\ge2` columns.
-    :param variance: a per-site diagonal variance (> 0) used *instead of* the collector's
+    :param variance: a per-site diagonal variance (> 0, unconstrained) used *instead of* the collector's
         :math:`\Sigma_{\mathrm{diag}}` (e.g. the variance rules of :class:`~pyro_flat.infer.averaging.HWA`); default
         ``None`` (the collector's).
     :raises ValueError: if nothing was collected, for a bad ``scale``, or a low-rank guide with :math:`K<2`; at the
-        first call, if the model's latent sites differ from the collected ones.
+        first call, if the model's latent sites differ from the collected ones, or if a constrained site was
+        collected in the model's space without its support (the collector cannot know the values' space).
 
     Example::
 
-        collector = SWAGCollector(max_rank=20)
-        run_svi(problem, model, delta_guide, callback=collector.callback(delta_guide.median, every=spe, start=s0))
+        collector = SWAGCollector(max_rank=20, supports=latent_supports(delta_guide))
+        callback = collector.callback(delta_guide.median, every=steps_per_epoch, start=swa_start)
+        ...  # SVI steps, calling callback(step) after each
         swag = collector.guide(model, scale=0.5)
         logits = Predictive(model, guide=swag, num_samples=30, return_sites=["logits"])(x_test)["logits"]
-
-    References:
-        [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov,
-            Pavel Izmailov, Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
-        [3] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-            Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
     """
 
     def __init__(
@@ -438,83 +629,24 @@ class AutoSWAG(AutoContinuous):
                 f"AutoSWAG: the low-rank term needs K >= 2 deviation columns, the collector holds {collector.rank}; "
                 "collect more iterates or use diagonal_only=True"
             )
-        self._collected_shapes = collector.sites
-        super().__init__(model, init_loc_fn=_InitToValues(collector.mean()))
-        flat_variance = collector.flat_variance()
-        if variance is not None:
-            if not isinstance(variance, Mapping) or set(variance) != set(self._collected_shapes):
-                raise ValueError(f"AutoSWAG: `variance` must be a dict over the sites {list(self._collected_shapes)}")
-            for name, shape in self._collected_shapes.items():
-                if variance[name].shape != shape:
-                    raise ValueError(f"AutoSWAG: `variance[{name!r}]` must have shape {tuple(shape)}")
-            given = torch.cat([variance[k].detach().reshape(-1) for k in self._collected_shapes]).to(flat_variance)
-            if not bool((given > 0).all()):
-                raise ValueError("AutoSWAG: `variance` must be > 0 everywhere")
-            flat_variance = given
-        deviations = collector.deviation_matrix()
-        if self.diagonal_only:
-            deviations = deviations[:, :0]
+        self._space_known = {name: collector.space_known(name) for name in collector.sites}
         dtype = collector.values_dtype
-        self.register_buffer("swag_mean", collector.flat_mean().to(dtype))
-        self.register_buffer("swag_variance", flat_variance.to(dtype))
-        self.register_buffer("swag_deviations", deviations.to(dtype))
+        mean = {k: v.to(dtype) for k, v in collector.mean().items()}
+        diag = collector.variance() if variance is None else dict(variance)
+        factor = None
+        if not self.diagonal_only:
+            columns = collector.deviation_matrix() * math.sqrt(self.scale / (collector.rank - 1))
+            factor = collector._unflatten_columns(columns.to(dtype))
+        super().__init__(model, mean, {k: (self.scale * v).to(dtype) for k, v in diag.items()}, factor)
 
-    def _prototype_hide_fn(self, msg: dict) -> bool:
-        # the guide covers exactly the collected sites; the model draws every other site itself (e.g. the
-        # observation site, which is not observed when Predictive calls the model without targets)
-        return prototype_hide_fn(msg) or msg["name"] not in self._collected_shapes
-
-    def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super()._setup_prototype(*args, **kwargs)
-        except RuntimeError:  # AutoContinuous found none of the collected sites in the model
-            if self.prototype_trace is None:
-                raise
-        found = [name for name, _ in self.prototype_trace.iter_stochastic_nodes()]
-        missing = [name for name in self._collected_shapes if name not in found]
-        if missing:
-            self.prototype_trace = None
+    def _check_site(self, name: str, support: constraints.Constraint) -> None:
+        if not is_real_support(support) and not self._space_known[name]:
             raise ValueError(
-                f"AutoSWAG: the collected sites {missing} are not latent sample sites of the model (its latent sites "
-                f"among the collected ones: {found})"
+                f"AutoSWAG: site {name!r} has support {support} but the collector received its values in the "
+                "model's space without that support, so it cannot tell their space. Build the collector with "
+                "SWAGCollector(..., supports=latent_supports(model_or_guide, *args)), or collect unconstrained "
+                "values with collect_unconstrained (as mcmc_hook does)"
             )
-        model_shapes = dict(self._unconstrained_shapes)
-        for name, shape in model_shapes.items():
-            if torch.Size(shape) != torch.Size(self._collected_shapes[name]):
-                raise ValueError(
-                    f"AutoSWAG: site {name!r} has unconstrained shape {tuple(shape)} in the model, "
-                    f"{tuple(self._collected_shapes[name])} in the collector"
-                )
-        offsets, pos = {}, 0
-        for name, shape in self._collected_shapes.items():
-            offsets[name] = pos
-            pos += math.prod(shape)
-        # the model's order equals the collector's iff the sites come in the same order (their shapes match)
-        identity = list(model_shapes) == list(self._collected_shapes)
-        device = self.swag_mean.device
-        self._order = None if identity else torch.cat(
-            [torch.arange(offsets[n], offsets[n] + math.prod(s), device=device) for n, s in model_shapes.items()]
-        )
-
-    def _ordered(self, t: Tensor) -> Tensor:
-        return t if self._order is None else t[self._order.to(t.device)]
-
-    def get_posterior(self, *args: Any, **kwargs: Any) -> dist.TorchDistribution:
-        """The Gaussian over the packed unconstrained latent vector (model trace order)."""
-        rank = self.swag_deviations.shape[-1]
-        factor = self._ordered(self.swag_deviations)
-        if rank > 0:
-            factor = factor * math.sqrt(self.scale / (rank - 1))
-        return LowRankPlusDiagonalNormal(self._ordered(self.swag_mean), self.scale * self._ordered(self.swag_variance),
-                                         factor)
-
-    def _loc_scale(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """The mean and marginal standard deviations (for ``median()`` and ``quantiles()``; pass the model's
-        arguments the first time if the guide has not been called yet)."""
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        posterior = self.get_posterior()
-        return posterior.mean, posterior.variance.sqrt()
 
 
-__all__ = ["AutoSWAG", "LowRankPlusDiagonalNormal", "SWAGCollector"]
+__all__ = ["AutoGaussianPosterior", "AutoSWAG", "LowRankPlusDiagonalNormal", "SWAGCollector", "latent_supports"]

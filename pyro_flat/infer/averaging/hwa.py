@@ -24,7 +24,7 @@ averaged posterior is :math:`\mathcal N(\mu_{\mathrm{HWA}}, \operatorname{diag} 
 * ``"total"``: :math:`v = \overline{\sigma^2} + \max(m_2-\mu_{\mathrm{HWA}}^2, 10^{-30})`, the variance of the
   equally weighted mixture of the collected Gaussians (law of total variance), which keeps the SVI scales.
 * ``"scales"``: :math:`v = \bar\sigma^2`, SWA of *both* variational parameters (average :math:`\mu` and
-  :math:`\sigma`, ALGORITHMS.md §7 row 7).
+  :math:`\sigma`).
 
 The averaged guide is an :class:`~pyro_flat.infer.autoguide.AutoSWAG` (optionally with the rank-:math:`K` term of the
 mean iterates, as the draft suggests following SWAG), usable by ``Predictive``. All averaging happens in the guide's
@@ -183,7 +183,7 @@ class HWA:
         """Average the guide's current means and scales into the running moments (no host sync)."""
         locs, scales = guide_loc_scale(self.guide)
         n = self.means.num_collected
-        self.means.collect(locs)
+        self.means.collect_unconstrained(locs)
         flat_scale = torch.cat([scales[k].reshape(-1) for k in self.means.sites]).to(self.means._mean)
         if self._scale_mean is None:
             self._scale_mean = torch.zeros_like(flat_scale)

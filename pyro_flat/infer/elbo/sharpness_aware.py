@@ -42,8 +42,8 @@ from pyro.distributions import Delta
 from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
 from pyro.poutine import Trace
 
-from ...transforms.sharpness_aware import SharpnessAwareModel, check_options, is_real_support
-from ..util import is_latent_site
+from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
+from ..util import is_latent_site, is_real_support
 
 
 class _SharpnessAware:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 
-from pyro_flat.infer import AutoLowRankPlusDiagonalNormal
+from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, SWAGCollector, latent_supports
 
 
 def model(x=None):
@@ -75,23 +75,31 @@ def test_from_moments_matches_swag_sampling_covariance():
     assert torch.allclose(_covariance(scale, factor), swag)
 
 
-def test_from_swag_reads_a_moment_collector():
-    class Collector:  # the interface of a SWAG moment collector, flat tensors in AutoContinuous order
-        def flat_mean(self):
-            return torch.zeros(5)
-
-        def flat_variance(self):
-            return torch.ones(5)
-
-        def deviation_matrix(self):
-            return torch.eye(5)[:, :2]
-
-    guide = AutoLowRankPlusDiagonalNormal.from_swag(model, Collector(), scale=1.0)
+def test_from_swag_matches_sites_by_name_and_reads_constrained_sites_in_unconstrained_space():
+    # the collector is filled in another order than the model's and in the model's (constrained) space with the
+    # supports: the guide's mean is the collected mean in unconstrained space, in AutoContinuous order
+    torch.manual_seed(0)
+    iterates = [{"b": torch.rand(()) + 0.5, "a": torch.randn(2, 2)} for _ in range(6)]
+    collector = SWAGCollector(max_rank=3, supports=latent_supports(model))
+    for it in iterates:
+        collector.collect(it)
+    guide = AutoLowRankPlusDiagonalNormal.from_swag(model, collector, scale=1.0)
     guide()
-    _, scale, factor = _params(guide)
-    assert torch.allclose(scale, torch.ones(5)) and torch.allclose(factor, torch.eye(5)[:, :2])
-    with pytest.raises(ValueError, match="deviation_matrix"):
+    loc, _, _ = _params(guide)
+    expected = torch.cat([torch.stack([it["a"] for it in iterates]).mean(0).reshape(-1),
+                          torch.stack([it["b"].log() for it in iterates]).mean(0).reshape(1)])
+    torch.testing.assert_close(loc, expected)
+    torch.testing.assert_close(guide.median()["b"], expected[-1].exp())
+    with pytest.raises(ValueError, match="must be a SWAGCollector"):
         AutoLowRankPlusDiagonalNormal.from_swag(model, object())
+
+
+def test_from_swag_refuses_a_constrained_site_of_unknown_space():
+    collector = SWAGCollector(max_rank=3)  # no supports: model-space values of "b" cannot be mapped
+    for _ in range(4):
+        collector.collect({"a": torch.randn(2, 2), "b": torch.rand(()) + 0.5})
+    with pytest.raises(ValueError, match="site 'b' has support .* without that support"):
+        AutoLowRankPlusDiagonalNormal.from_swag(model, collector)()
 
 
 def test_moments_of_the_wrong_size_are_a_value_error():

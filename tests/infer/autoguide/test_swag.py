@@ -14,7 +14,7 @@ from pyro.infer import MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal
 from scipy import stats
 
-from pyro_flat.infer import bma_predict, guide_draws, latent_sites
+from pyro_flat.infer import bma_predict, guide_draws, latent_sites, latent_supports
 from pyro_flat.infer.autoguide import AutoSWAG, SWAGCollector
 from pyro_flat.nn import BayesianCNN, BayesianMLP
 
@@ -228,9 +228,9 @@ def test_guide_state_dict_round_trip_and_pickle():
     pyro.set_rng_seed(1)
     torch.testing.assert_close(clone()["b"], draw_a["b"], rtol=0, atol=0)
     # the guide is a snapshot: later collection does not change it
-    before = guide_a.swag_mean.clone()
+    before = guide_a.posterior_mean.clone()
     a.collect(_sgd_iterates(1, seed=2)[0])
-    torch.testing.assert_close(guide_a.swag_mean, before, rtol=0, atol=0)
+    torch.testing.assert_close(guide_a.posterior_mean, before, rtol=0, atol=0)
 
 
 def test_float64_accumulation_of_float32_iterates():
@@ -247,7 +247,7 @@ def test_float64_accumulation_of_float32_iterates():
     torch.testing.assert_close(accurate.variance()["w"], exact, rtol=1e-4, atol=0)  # m2 - mean² still cancels ~1e-10
     assert ((naive.variance()["w"].double() - exact).abs() / exact).max() > 0.1
     guide = accurate.guide(_linear_model_small, diagonal_only=True, scale=1.0)
-    assert guide.swag_mean.dtype == torch.float32
+    assert guide.posterior_mean.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         SWAGCollector(dtype=torch.int64)
 
@@ -294,3 +294,98 @@ def test_bad_input():
     guide = collector.guide(other_model, diagonal_only=True)
     with pytest.raises(ValueError, match="not latent sample sites"):
         guide()
+
+
+# ------------------------------------------------------------------------------ constrained latents (issue 11, 3-4)
+
+
+def constrained_model(y=None):
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))
+    with pyro.plate("data", 6):
+        pyro.sample("y", dist.Normal(2 * p[0] - 1, s), obs=y)
+
+
+Y = torch.tensor([-0.4, 0.9, 0.2, -1.3, 0.5, 0.1])
+
+
+def _map_run(steps=200):
+    pyro.set_rng_seed(0)
+    guide = AutoDelta(constrained_model)
+    svi = SVI(constrained_model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(steps):
+        svi.step(Y)
+    return guide
+
+
+def _unconstrained_mean(values):
+    """The mean of the iterates in each site's unconstrained space, mapped back: what the guide's median must be."""
+    out = {}
+    for name, support in latent_supports(constrained_model, Y).items():
+        t = torch.distributions.biject_to(support)
+        out[name] = t(torch.stack([t.inv(v[name]) for v in values]).mean(0))
+    return out
+
+
+def test_median_of_a_guide_from_an_svi_map_trajectory_is_in_the_support_and_exact():
+    # the issue's case: collector.callback(guide.median) of an AutoDelta MAP run; the SWAG median of a LogNormal
+    # latent was exp(MAP) (1.60 vs 0.47)
+    guide = _map_run()
+    collector = SWAGCollector(max_rank=5, supports=latent_supports(guide))
+    callback = collector.callback(guide.median, every=1)
+    svi = SVI(constrained_model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    iterates = []
+    for step in range(6):
+        svi.step(Y)
+        callback(step)
+        iterates.append({k: v.detach().clone() for k, v in guide.median().items()})
+    swag = collector.guide(constrained_model, scale=0.5)
+    median = swag.median(Y)
+    for name, value in _unconstrained_mean(iterates).items():
+        torch.testing.assert_close(median[name], value)
+    torch.testing.assert_close(median["s"], guide.median()["s"], atol=1e-2, rtol=0)  # at the MAP, not exp(MAP)
+    draws = Predictive(constrained_model, guide=swag, num_samples=200)(Y)  # Pyro's validation is on
+    assert (draws["s"] > 0).all()
+    assert torch.allclose(draws["p"].sum(-1), torch.ones(200)) and (draws["p"] > 0).all()
+
+
+@pytest.mark.parametrize("how", ["collect_samples", "mcmc_hook"])
+def test_guide_from_mcmc_samples_or_states_is_in_the_right_space(how):
+    kernel = NUTS(constrained_model)
+    pyro.set_rng_seed(1)
+    supports = latent_supports(constrained_model, Y)
+    collector = SWAGCollector(max_rank=10, supports=supports)
+    hook = collector.mcmc_hook() if how == "mcmc_hook" else None
+    mcmc = MCMC(kernel, num_samples=30, warmup_steps=30, disable_progbar=True, hook_fn=hook)
+    mcmc.run(Y)
+    samples = mcmc.get_samples()
+    if how == "collect_samples":
+        collector.collect_samples(samples)
+    draws = [{k: v[i] for k, v in samples.items()} for i in range(30)]
+    median = collector.guide(constrained_model).median(Y)
+    for name, value in _unconstrained_mean(draws).items():
+        torch.testing.assert_close(median[name], value, atol=1e-6, rtol=1e-6)
+    assert collector.sites["p"] == (2,)  # the simplex's unconstrained shape
+
+
+def test_constrained_site_without_its_support_is_refused_by_name():
+    collector = SWAGCollector(max_rank=3)
+    for _ in range(4):
+        collector.collect({"s": torch.rand(()) + 0.1, "p": torch.tensor([0.2, 0.3])})
+    with pytest.raises(ValueError, match="site 's' has support .* model's space without that support"):
+        collector.guide(constrained_model)(Y)
+
+
+def test_mixing_model_space_and_unconstrained_collection_is_an_error():
+    collector = SWAGCollector(max_rank=3)
+    collector.collect({"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match="collect every iterate the same way"):
+        collector.collect_unconstrained({"w": torch.zeros(2)})
+
+
+def test_latent_supports_of_a_model_and_of_an_autoguide():
+    supports = latent_supports(constrained_model, Y)
+    assert list(supports) == ["s", "p"]
+    guide = AutoDelta(constrained_model)
+    guide(Y)
+    assert latent_supports(guide) == supports

@@ -179,3 +179,30 @@ def test_bad_input():
         cyclical_lr_scheduler(torch.optim.SGD, {}, cycle_length=2, lr_low=0.1)
     with pytest.raises(ValueError, match="low_ratio"):
         CyclicalLR(2, 0.0)
+
+
+@pytest.mark.parametrize("rule", VARIANCE_RULES)
+def test_averaged_guide_on_constrained_latents_predicts_inside_the_support(rule):
+    # issue 11 item 4: the unconstrained means were passed as constrained starting values, so Predictive raised
+    # "Expected parameter scale ... Normal(loc: 0.0, scale: -0.60)" under Pyro's default validation
+    def model(y=None):
+        scale = pyro.sample("scale", dist.HalfNormal(1.0))
+        p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))
+        with pyro.plate("data", 5):
+            pyro.sample("y", dist.Normal(p[0], scale), obs=y)
+
+    y = torch.tensor([0.1, 0.5, -0.2, 0.3, 0.0])
+    guide = AutoNormal(model, init_scale=0.3)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    svi.step(y)
+    hwa = HWA(guide)
+    for _ in range(4):
+        svi.step(y)
+        hwa.collect()
+    averaged = hwa.averaged_guide(model, variance=rule)
+    draws = Predictive(model, guide=averaged, num_samples=100)(y)
+    assert (draws["scale"] > 0).all() and (draws["p"] > 0).all()
+    torch.testing.assert_close(draws["p"].sum(-1), torch.ones_like(draws["p"][..., 0]))
+    locs, _ = guide_loc_scale(guide)  # the median maps the averaged unconstrained mean into the support
+    torch.testing.assert_close(averaged.median(y)["scale"], hwa.mean()["scale"].exp())
+    assert locs["p"].shape == (2,)
