@@ -34,3 +34,17 @@ def test_quick_start_runs(capsys):
     assert report["acc"] > 0.9
     assert report["nll"] < 0.4
     assert "acc" in capsys.readouterr().out
+
+
+def test_what_works_with_what_table_is_the_rendering_of_the_suite_outcomes():
+    # the README table is generated from the conformance suite's recorded outcomes, never edited by hand
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("conformance_table", ROOT / "scripts" / "conformance_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    records = json.loads(table.OUTCOMES.read_text())
+    block = README.split(table.START, 1)[1].split(table.END, 1)[0].strip()
+    assert block == table.summary(records)
+    assert not [r for r in records if r["outcome"] == "fail"]

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 from pyro.infer.autoguide import AutoDelta
 from torch import Tensor
+from torch.distributions import biject_to, transform_to
 from torch.optim import Optimizer
 
 from ..infer.autoguide.swag import AutoGaussianPosterior
@@ -316,6 +317,14 @@ class BayesianSAM(Optimizer):
             leaf = attrgetter(f"{name}_unconstrained")(delta_guide)  # AutoDelta's PyroParam storage
             if id(leaf) not in std:
                 raise ValueError(f"BayesianSAM.guide: the parameter of site {name!r} is not trained by this optimizer")
+            support = delta_guide.prototype_trace.nodes[name]["fn"].support
+            value = transform_to(support)(leaf.detach())
+            if biject_to(support).inv(value).shape != leaf.shape:
+                raise ValueError(
+                    f"BayesianSAM.guide: AutoDelta keeps site {name!r} ({support}) in coordinates that are not the "
+                    "bijective ones of a Gaussian guide (e.g. softmax logits of a simplex), so bSAM's Gaussian over "
+                    "them is not a guide of the model; reparameterise the site with real-valued latents"
+                )
             mean[name] = leaf.detach().clone()
             variance[name] = std[id(leaf)].square()
         return AutoGaussianPosterior(model, mean, variance)

@@ -502,13 +502,28 @@ class AutoGaussianPosterior(AutoContinuous):
         name = site["name"]
         if name not in self._shapes:
             return init_to_sample(site)
+        subsampled = [f.name for f in site["cond_indep_stack"] if f.size != f.full_size]
+        if subsampled:
+            raise ValueError(
+                f"{type(self).__name__}: site {name!r} is a local latent of the subsampled plate {subsampled[0]!r}; a "
+                "Gaussian over the packed latent vector cannot follow a minibatch. Call the guide (e.g. Predictive) "
+                "on the full data, without subsampling"
+            )
+        to_support = biject_to(site["fn"].support)
+        expected = to_support.inverse_shape(site["fn"].shape())
+        if expected != self._shapes[name]:
+            raise ValueError(
+                f"{type(self).__name__}: site {name!r} has unconstrained shape {tuple(expected)} in the model, "
+                f"{tuple(self._shapes[name])} in the moments (values of a local latent collected from minibatches, "
+                "e.g. the median() of a guide whose plate subsamples, hold only one minibatch's rows)"
+            )
         offset = 0
         for n, shape in self._shapes.items():
             if n == name:
                 break
             offset += math.prod(shape)
         z = self.posterior_mean[offset : offset + math.prod(self._shapes[name])].reshape(self._shapes[name])
-        return biject_to(site["fn"].support)(z).detach()
+        return to_support(z).detach()
 
     def _check_site(self, name: str, support: constraints.Constraint) -> None:
         """Hook: refuse a site whose moments may not be in unconstrained space (see :class:`AutoSWAG`)."""

@@ -166,6 +166,10 @@ class SharpnessAwareMeanFieldELBO(_SharpnessAware, TraceMeanField_ELBO):
 
     def _get_trace(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple[Trace, Trace]:
         model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
+        # a latent drawn through an auxiliary site and a Delta (AutoNormal, AutoContinuous guides) carries the
+        # Jacobian of its constraint in the Delta; AutoDelta's Delta (a MAP in constrained space) carries none
+        if not any(s["type"] == "sample" and s["infer"].get("is_auxiliary") for s in guide_trace.nodes.values()):
+            return model_trace, guide_trace
         for name, site in model_trace.nodes.items():
             if not is_latent_site(site) or name not in guide_trace.nodes:
                 continue

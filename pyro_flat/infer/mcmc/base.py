@@ -143,6 +143,13 @@ def initialize_sg_model(
                 f"site {name!r} is a discrete latent ({type(fn).__name__}); stochastic-gradient kernels need "
                 "continuous latent sites (marginalise or condition the discrete ones)"
             )
+        subsampled = [f.name for f in site["cond_indep_stack"] if f.size != f.full_size]
+        if subsampled:
+            raise ValueError(
+                f"site {name!r} is a local latent inside the subsampled plate {subsampled[0]!r}: a kernel's state "
+                "would hold only one minibatch's values of it. Sample local latents without subsampling their plate "
+                "(subsample only the plates of observations), or marginalise them"
+            )
         transform = biject_to(fn.support).inv
         transforms[name] = transform
         params[name] = transform(site["value"].detach())
