@@ -69,7 +69,7 @@ from torch.distributions import biject_to, constraints
 
 from ..infer.util import is_latent_site
 from ..ops.diffusions import coupling_potential
-from ._outer import outer_conditions, outer_effect
+from ._outer import hidden_outside, outer_conditions
 
 __all__ = [
     "ANCHOR_SUFFIX",
@@ -176,7 +176,7 @@ class LocalEntropyMessenger(Messenger):
             value = self._anchor_values.pop(msg["name"])
             if msg["value"] is None:
                 msg["value"] = value
-        elif is_latent_site(msg) and not outer_effect(self, msg, "local_entropy").hidden:
+        elif is_latent_site(msg) and not hidden_outside(self, msg, "local_entropy"):
             self._pending.add(msg["name"])
 
     def _postprocess_message(self, msg: dict) -> None:

@@ -73,7 +73,7 @@ from ..distributed import all_reduce_mean, check_distributed
 from ..infer.replay import RunRecorder
 from ..infer.util import is_latent_site, is_real_support
 from ..ops.sam import check_radius, sam_perturbation
-from ._outer import outer_effect
+from ._outer import hidden_outside
 
 LOG_LIKELIHOOD_SITE = "sharpness_aware_log_likelihood"
 """Name of the factor site through which the perturbed log-likelihood enters the transformed model."""
@@ -116,7 +116,7 @@ class _RecordingPass(RunRecorder):
     def _process_message(self, msg: dict) -> None:
         # runs before the enclosing handlers, which may still observe (condition) or hide (block) the site
         if msg["type"] == "sample" and not site_is_subsample(msg):
-            if outer_effect(self, msg, "sharpness_aware").hidden:
+            if hidden_outside(self, msg, "sharpness_aware"):
                 pass  # invisible to the transform, as if blocked inside it
             elif is_likelihood_site(msg):
                 msg["stop"] = True  # the enclosing handlers never see it; it is scored at the perturbed values instead
@@ -370,11 +370,6 @@ class SharpnessAwareModel(nn.Module):
                 f"sharpness_aware: latent sites {record.discrete} have discrete support; the SAM perturbation needs "
                 "continuous latent values"
             )
-        if not record.latents:
-            raise ValueError(
-                "sharpness_aware: the model has no latent sample site, so there is nothing to perturb (observed, "
-                "deterministic and subsample sites are not latent)"
-            )
 
     def forward(self, *args: object, **kwargs: object) -> object:
         if torch.jit.is_tracing():
@@ -393,6 +388,9 @@ class SharpnessAwareModel(nn.Module):
         if outer_likelihood is not None and not record.latents:
             return result  # the observations depend on no continuous latent: the density is the model's
         self._check_sites(record)
+        if not record.latents:  # nothing to perturb: the SA posterior of no latent is the model's likelihood
+            pyro.factor(LOG_LIKELIHOOD_SITE, self._log_likelihood(likelihood, frames))
+            return result
         with torch.enable_grad():
             if grad_enabled:
                 deltas = [record.deltas[name] for name in record.latents]
@@ -457,8 +455,9 @@ def sharpness_aware(
         :mod:`pyro_flat.distributed`); default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
     :returns: the transformed model, a :class:`SharpnessAwareModel`.
-    :raises ValueError: for a bad ``rho``; when called, for a model without latent sites, a discrete latent site, an
-        ambiguous or intervening outer handler, or a SAM step that leaves a site's support.
+    :raises ValueError: for a bad ``rho``; when called, for a discrete latent site, an ambiguous or intervening outer
+        handler, or a SAM step that leaves a site's support. (A model without latent sites has nothing to perturb: its
+        density is the model's.)
 
     .. warning:: :math:`\hat g` is the gradient of the *minibatch* log-likelihood: like SAM a stochastic objective,
         and SGLD on it is F-SGLD, not an exact sampler of :math:`q_{\mathrm{SA}}`.

@@ -49,6 +49,29 @@ def expected_refusal(method: str, case: Case) -> str | None:
     return None
 
 
+def refused(match: str, method: str, case: Case):
+    """``pytest.raises`` for a refusal; on the enumerated case the KL ball runs Pyro's own validation first (as
+    Trace_ELBO does: the site is "in the model but not the guide", a warning), then refuses."""
+    if case.name.startswith("enumerated") and method.startswith("KLBallELBO"):
+        return _both(pytest.warns(UserWarning, match="Found vars in model but not guide"), pytest.raises(
+            ValueError, match=match))
+    return pytest.raises(ValueError, match=match)
+
+
+class _both:
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self):
+        self.outer.__enter__()
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        suppressed = self.inner.__exit__(*exc)
+        self.outer.__exit__(None, None, None)
+        return suppressed
+
+
 def applies(method: str, case: Case) -> bool:
     return case.mean_field or method != "SharpnessAwareMeanFieldELBO"
 
@@ -74,7 +97,7 @@ def test_zero_radius_is_the_base_objective_draw_for_draw(method, case, outcome):
     flat, base = OBJECTIVES[method]
     refusal = expected_refusal(method, case)
     if refusal is not None:
-        with pytest.raises(ValueError, match=refusal):
+        with refused(refusal, method, case):
             _loss_and_grads(flat(0.0, **case.elbo_kwargs), case, 3)
         outcome.refused()
         return
@@ -97,7 +120,7 @@ def test_positive_radius_entry_points_svi_and_predictive(method, case, outcome):
     guide = case.guide()
     guide(*case.args, **case.kwargs)
     if refusal is not None:
-        with pytest.raises(ValueError, match=refusal):
+        with refused(refusal, method, case):
             elbo.loss(case.model, guide, *case.args, **case.kwargs)
         outcome.refused()
         return

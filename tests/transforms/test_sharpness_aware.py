@@ -237,12 +237,13 @@ def test_not_callable():
         sharpness_aware("model", 0.1)
 
 
-def test_no_latent_site():
+def test_no_latent_site_leaves_the_likelihood_unperturbed():
     def model(x):
         pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
 
-    with pytest.raises(ValueError, match="no latent sample site"):
-        poutine.trace(sharpness_aware(model, 0.1)).get_trace(torch.tensor(0.5))
+    x = torch.tensor(0.5, dtype=torch.float64)
+    trace = poutine.trace(sharpness_aware(model, 0.1)).get_trace(x)
+    torch.testing.assert_close(trace.log_prob_sum(), dist.Normal(0.0, 1.0).log_prob(x), atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------- handlers applied outside the transform

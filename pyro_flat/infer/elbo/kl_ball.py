@@ -29,7 +29,6 @@ References:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
@@ -165,8 +164,9 @@ class KLBallELBO(Trace_ELBO):
     :param trace_elbo_kwargs: :class:`~pyro.infer.Trace_ELBO` options. With ``vectorize_particles=True`` one
         perturbation is computed from the gradient summed over the vectorised particles.
     :raises ValueError: for bad options; at the first step, for ``AutoDelta`` (a point mass has no KL ball), a
-        guide site without ``rsample``, an enumerated site, a guide site whose KL divergence has no closed form
-        (``"fisher"``; use ``"normalized_score"``), or a model without an observed site.
+        guide site without ``rsample``, an enumerated site, or a guide site whose KL divergence has no closed form
+        (``"fisher"``; use ``"normalized_score"``). A guide without parameters or a model without observations
+        leaves nothing to perturb: the objective is then ``Trace_ELBO``'s.
 
     .. note:: Every entry point, ``loss`` (and ``SVI.evaluate_loss``) included, needs one gradient evaluation to find
         :math:`\delta^*`; the first pass runs with autograd enabled even under ``torch.no_grad()``.
@@ -235,16 +235,19 @@ class KLBallELBO(Trace_ELBO):
         with torch.enable_grad():  # delta* needs a gradient even under torch.no_grad() (SVI.evaluate_loss)
             model_trace, guide_trace, run = self._first_pass(model, guide, args, kwargs)
             leaves = _guide_parameters(guide_trace)
-            if not leaves:
-                raise ValueError("KLBallELBO: no parameter of the guide requires a gradient: nothing to perturb")
-            delta = self._perturbation(leaves, model_trace, guide_trace, run, guide, args, kwargs)
-        moved = [(leaf, leaf + delta[name]) for name, leaf in leaves.items() if name in delta]
-        with run.replay(), substituted_tensors(moved):
-            perturbed, _ = super()._get_trace(model, guide, args, kwargs)
-        for name, site in model_trace.nodes.items():
-            if site["type"] == "sample" and site["is_observed"]:
-                model_trace.nodes[name] = perturbed.nodes[name]
-            elif site["type"] == "sample" and self.kl_weight != 1.0:
+            observed = any(s["type"] == "sample" and s["is_observed"] for s in model_trace.nodes.values())
+            # no guide parameter, or no data term: the KL ball is a point or nothing depends on it, delta* = 0
+            delta = self._perturbation(leaves, model_trace, guide_trace, run, guide, args, kwargs) if (
+                leaves and observed) else {}
+        if delta:
+            moved = [(leaf, leaf + delta[name]) for name, leaf in leaves.items() if name in delta]
+            with run.replay(), substituted_tensors(moved):
+                perturbed, _ = super()._get_trace(model, guide, args, kwargs)
+            for name, site in model_trace.nodes.items():
+                if site["type"] == "sample" and site["is_observed"]:
+                    model_trace.nodes[name] = perturbed.nodes[name]
+        for site in model_trace.nodes.values():
+            if site["type"] == "sample" and not site["is_observed"] and self.kl_weight != 1.0:
                 _scale_site(site, self.kl_weight)
         if self.kl_weight != 1.0:
             for _, site in _latent_guide_sites(guide_trace):
@@ -252,14 +255,11 @@ class KLBallELBO(Trace_ELBO):
         return model_trace, guide_trace
 
     def _first_pass(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple:
-        """``Trace_ELBO``'s traces, recorded for the replay; this ELBO's refusals come before Pyro's warnings about
-        the same sites (e.g. an enumerated site "in the model but not the guide")."""
-        with warnings.catch_warnings(record=True) as caught, RunRecorder() as run:
-            warnings.simplefilter("always")
+        """``Trace_ELBO``'s traces (with Pyro's own validation first), recorded for the replay, then this ELBO's
+        checks."""
+        with RunRecorder() as run:
             model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
         self._check_traces(model_trace, guide_trace)
-        for warning in caught:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         return model_trace, guide_trace, run
 
     def _check_traces(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> None:
@@ -276,8 +276,6 @@ class KLBallELBO(Trace_ELBO):
                     f"KLBallELBO: model site {name!r} is marked for enumeration ({site['infer']['enumerate']!r}); "
                     "KLBallELBO does not enumerate discrete sites (it is a Trace_ELBO): marginalise it in the model"
                 )
-        if not any(site["type"] == "sample" and site["is_observed"] for site in model_trace.nodes.values()):
-            raise ValueError("KLBallELBO: the model has no observed sample site, so there is no data term to perturb")
 
     # ---------------------------------------------------------------------------------------------------------------
     # delta*

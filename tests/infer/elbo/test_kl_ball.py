@@ -371,12 +371,20 @@ def test_autodelta_is_refused_a_point_mass_has_no_kl_ball():
         KLBallELBO(0.1).loss(normal_model, AutoDelta(normal_model), X)
 
 
-def test_model_without_observations_is_a_value_error():
+def test_nothing_to_perturb_is_trace_elbo():
+    # a model without observations (no data term) or a guide without parameters (a KL ball of one point)
     def prior_only(x):
         pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(x)]).to_event(1))
 
-    with pytest.raises(ValueError, match="no observed sample site"):
-        KLBallELBO(0.1).loss(prior_only, AutoNormal(prior_only), X)
+    def fixed_guide(x):
+        pyro.sample("z", dist.Normal(torch.zeros(len(x)), 1.0).to_event(1))
+
+    for model, guide in ((prior_only, AutoNormal(prior_only)), (normal_model, fixed_guide)):
+        guide(X)
+        pyro.set_rng_seed(3)
+        expected = Trace_ELBO().loss(model, guide, X)
+        pyro.set_rng_seed(3)
+        assert KLBallELBO(0.1).loss(model, guide, X) == pytest.approx(expected, rel=1e-12)
 
 
 def test_diverging_likelihood_names_the_parameter():
@@ -622,6 +630,7 @@ def test_non_reparameterised_guide_site_is_named():
         KLBallELBO(0.1).loss(model, guide, X)
 
 
+@pytest.mark.filterwarnings("ignore:Found vars in model but not guide")  # Pyro's own validation warns first
 def test_enumerated_model_site_is_refused_clearly():
     def model(x):
         c = pyro.sample("c", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
