@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..infer.replay import RunRecorder
+
 Closure = Callable[[], Tensor | None]
 """A closure: evaluates the (mean) minibatch loss at the current parameters and calls ``backward()`` on it."""
 
@@ -43,6 +45,22 @@ def gradients_at(closure: Closure, params: Sequence[Tensor]) -> tuple[Tensor | N
         loss = closure()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     return (None if loss is None else loss.detach()), grads
+
+
+def recorded_gradients_at(closure: Closure, params: Sequence[Tensor]) -> tuple[Tensor | None, list[Tensor], RunRecorder]:
+    """:func:`gradients_at`, recorded (:class:`~pyro_flat.infer.replay.RunRecorder`) so that
+    :func:`replayed_gradients_at` can evaluate the closure again as it ran."""
+    with RunRecorder() as run:
+        loss, grads = gradients_at(closure, params)
+    return loss, grads, run
+
+
+def replayed_gradients_at(closure: Closure, params: Sequence[Tensor], run: RunRecorder) -> list[Tensor]:
+    """The gradients of ``closure`` at the current (moved) ``params``, replaying the recorded evaluation ``run``: the
+    same random numbers (dropout masks, a minibatch drawn with torch's generator), the same subsample indices of any
+    ``pyro.plate`` the closure runs, BatchNorm running statistics left unchanged (:mod:`pyro_flat.infer.replay`)."""
+    with run.replay():
+        return gradients_at(closure, params)[1]
 
 
 def mean_loss(losses: Sequence[Tensor | None]) -> Tensor | None:

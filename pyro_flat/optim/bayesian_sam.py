@@ -72,7 +72,7 @@ from ..ops.bayesian_sam import (
     bsam_posterior_std,
     bsam_update_,
 )
-from ._common import Closure, as_closures, check_real, gradients_at, mean_loss
+from ._common import Closure, as_closures, check_real, mean_loss, recorded_gradients_at, replayed_gradients_at
 
 
 class BayesianSAM(Optimizer):
@@ -104,7 +104,8 @@ class BayesianSAM(Optimizer):
 
     ``step(closure)`` takes a closure that evaluates the **mean** loss of a minibatch at the current parameters,
     calls ``backward()`` and returns the loss (the optimizer sets ``.grad`` to ``None`` before every call and calls
-    the closure twice); or a sequence of :math:`M` closures, one per sub-batch (m-sharpness: every sub-batch gets
+    the closure twice, the second call replaying the first: same random numbers and ``pyro.plate`` minibatch,
+    BatchNorm statistics unchanged, see :mod:`pyro_flat.infer.replay`); or a sequence of :math:`M` closures, one per sub-batch (m-sharpness: every sub-batch gets
     its own noise and perturbation, and :math:`g_\epsilon`, :math:`\sqrt s|g|` are averaged; the authors use
     :math:`M=8`). It returns the mean of the losses at the noisy samples (a detached tensor, no host sync).
 
@@ -212,7 +213,7 @@ class BayesianSAM(Optimizer):
             for (group, ps, _, s), m in zip(groups, group_means, strict=True):
                 noisy += bsam_noisy_params(m, s, group["num_data"], self._noise(ps))
             torch._foreach_copy_(params, noisy)
-            loss, grads = gradients_at(c, params)
+            loss, grads, run = recorded_gradients_at(c, params)
             losses.append(loss)
             # perturbed mean m + rho g / s, gradient there; curvature sqrt(s)|g|
             perturbed, curvature, pos = [], [], 0
@@ -222,7 +223,7 @@ class BayesianSAM(Optimizer):
                 perturbed += bsam_perturbed_means(m, g, s, group["rho"])
                 curvature += bsam_curvature(g, s)
             torch._foreach_copy_(params, perturbed)
-            _, grads_perturbed = gradients_at(c, params)
+            grads_perturbed = replayed_gradients_at(c, params, run)
             if grad_sums is None:
                 grad_sums = [g.clone() for g in grads_perturbed] if num_closures > 1 else grads_perturbed
                 curv_sums = curvature

@@ -28,8 +28,10 @@ as weight decay)::
     idx = torch.randperm(N)[:B]                                  # one minibatch for both passes
     opt.step(lambda: (elbo.differentiable_loss(model, guide, x[idx], y[idx], num_data=N) / N).backward())
 
-.. warning:: The closure runs twice per step, so BatchNorm running statistics are updated by the perturbed pass
-    too; freeze them inside the closure if that matters (the F-BNN code sets the BN momentum to 0 for that pass).
+The closure runs twice per step; the second evaluation replays the first (:mod:`pyro_flat.infer.replay`): the same
+random numbers (dropout masks, indices drawn with torch's generator), the same subsample indices of any ``pyro.plate``
+it runs, and BatchNorm running statistics left unchanged by the perturbed pass (the F-BNN code's
+``disable_running_stats``).
 
 References:
     [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
@@ -48,7 +50,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..ops.sam import check_radius, sam_perturbation
-from ._common import Closure, as_closures, gradients_at, mean_loss
+from ._common import Closure, as_closures, mean_loss, recorded_gradients_at, replayed_gradients_at
 
 
 class SAM(Optimizer):
@@ -114,11 +116,11 @@ class SAM(Optimizer):
         origin = [p.detach().clone() for p in params]
         losses, grad_sum = [], None
         for c in closures:
-            loss, grads = gradients_at(c, params)
+            loss, grads, run = recorded_gradients_at(c, params)
             losses.append(loss)
             eps = self.perturbation(grads, origin)
             torch._foreach_add_(params, eps)
-            _, grads = gradients_at(c, params)
+            grads = replayed_gradients_at(c, params, run)
             torch._foreach_copy_(params, origin)
             if grad_sum is None:
                 grad_sum = [g.clone() for g in grads] if len(closures) > 1 else grads
