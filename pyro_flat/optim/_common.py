@@ -47,7 +47,9 @@ def gradients_at(closure: Closure, params: Sequence[Tensor]) -> tuple[Tensor | N
     return (None if loss is None else loss.detach()), grads
 
 
-def recorded_gradients_at(closure: Closure, params: Sequence[Tensor]) -> tuple[Tensor | None, list[Tensor], RunRecorder]:
+def recorded_gradients_at(
+    closure: Closure, params: Sequence[Tensor]
+) -> tuple[Tensor | None, list[Tensor], RunRecorder]:
     """:func:`gradients_at`, recorded (:class:`~pyro_flat.infer.replay.RunRecorder`) so that
     :func:`replayed_gradients_at` can evaluate the closure again as it ran."""
     with RunRecorder() as run:

@@ -105,9 +105,10 @@ class BayesianSAM(Optimizer):
     ``step(closure)`` takes a closure that evaluates the **mean** loss of a minibatch at the current parameters,
     calls ``backward()`` and returns the loss (the optimizer sets ``.grad`` to ``None`` before every call and calls
     the closure twice, the second call replaying the first: same random numbers and ``pyro.plate`` minibatch,
-    BatchNorm statistics unchanged, see :mod:`pyro_flat.infer.replay`); or a sequence of :math:`M` closures, one per sub-batch (m-sharpness: every sub-batch gets
-    its own noise and perturbation, and :math:`g_\epsilon`, :math:`\sqrt s|g|` are averaged; the authors use
-    :math:`M=8`). It returns the mean of the losses at the noisy samples (a detached tensor, no host sync).
+    BatchNorm statistics unchanged, see :mod:`pyro_flat.infer.replay`); or a sequence of :math:`M` closures, one per
+    sub-batch (m-sharpness: every sub-batch gets its own noise and perturbation, and :math:`g_\epsilon`,
+    :math:`\sqrt s|g|` are averaged; the authors use :math:`M=8`). It returns the mean of the losses at the noisy
+    samples (a detached tensor, no host sync).
 
     State per parameter ``p`` (``self.state[p]``): ``"step"`` (number of steps), ``"momentum_buffer"``
     (:math:`g_m`) and ``"s"`` (:math:`s`).
