@@ -11,7 +11,7 @@ see the same randomness and the same data as the first, so :class:`RunRecorder` 
   guide redraws the same base noise, dropout layers the same masks, and a site whose value the replay gives instead
   of drawing does not shift the stream. After the replay the stream continues exactly as after the recorded run;
 * **the same minibatch and observations**: the indices of every subsampled ``pyro.plate`` (of the model and of the
-  guide) and every observed value are replayed;
+  guide) and every observed value are replayed (``pyro.deterministic`` records are recomputed);
 * **no side effect on BatchNorm**: a BatchNorm layer run during the replay normalises with the batch statistics in
   training mode (and the running ones in eval mode), as always, but updates neither its running statistics nor
   ``num_batches_tracked``;
@@ -166,7 +166,9 @@ class _Replayer(Messenger):
                 self._sites[id(msg)] = site
             if msg["name"] in self.values:
                 msg["value"] = self.values[msg["name"]]
-            elif site is not None and (site.is_subsample or site.is_observed):
+            elif site is not None and (site.is_subsample or site.is_observed) and not msg["infer"].get(
+                "_deterministic"
+            ):  # (a pyro.deterministic record is recomputed: its value is a function of the values replayed)
                 msg["value"] = site.value
                 msg["is_observed"] = site.is_observed
         if self.block:

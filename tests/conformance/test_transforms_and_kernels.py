@@ -144,6 +144,33 @@ def test_outer_do_is_refused_by_name(transform, case, outcome):
     outcome.refused()
 
 
+@pytest.mark.parametrize("case", OBSERVED, ids=[c.name for c in OBSERVED])
+@pytest.mark.parametrize("transform", ["sharpness_aware", "local_entropy"])
+def test_outer_selective_block_is_the_same_density_as_inside(transform, case, outcome):
+    outcome.check(f"{transform}: outer poutine.block", case.name, "same density as blocking inside")
+    make = (lambda m: sharpness_aware(m, 0.2)) if transform == "sharpness_aware" else (lambda m: local_entropy(m, 0.3))
+    supports = latent_supports(case.model, *case.args, **case.kwargs)
+    values = {n: v for n, v in _prior_values(case.model, case).items() if n in supports}
+    first = next(iter(values))
+    for hidden in ([first], ["y"]):  # a latent site (drawn from its prior, invisible) and the observations
+        kept = {n: v for n, v in values.items() if n not in hidden}
+        if transform == "local_entropy":
+            kept.update({f"{n}_anchor": v for n, v in list(kept.items())})
+        outside = _trace(poutine.block(make(case.model), hide=hidden), kept, case)
+        inside = _trace(make(poutine.block(case.model, hide=hidden)), kept, case)
+        assert _sample_sites(outside) == _sample_sites(inside)  # e.g. no anchor for a site hidden outside
+        torch.testing.assert_close(outside.log_prob_sum(), inside.log_prob_sum(), rtol=1e-10, atol=1e-10)
+
+
+def _trace(program, values, case: Case):
+    pyro.set_rng_seed(4)
+    return poutine.trace(at_latent_values(program, values)).get_trace(*case.args, **case.kwargs)
+
+
+def _sample_sites(trace) -> set[str]:
+    return {name for name, site in trace.nodes.items() if site["type"] == "sample"}
+
+
 # ------------------------------------------------------------------------------------------------------ kernels
 
 KERNELS = {

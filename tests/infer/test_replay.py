@@ -52,6 +52,23 @@ def test_a_value_given_in_the_replay_does_not_shift_the_stream():
     assert torch.equal(mask, mask2)
 
 
+def test_observations_are_replayed_and_deterministic_records_recomputed():
+    def model():
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        pyro.deterministic("twice_w", 2 * w)
+        pyro.sample("y", dist.Normal(w, 1.0))
+
+    conditioned = pyro.condition(model, {"y": torch.tensor(0.7)})
+    with RunRecorder() as run:
+        conditioned()
+    w = torch.tensor(5.0)
+    with poutine.trace() as tracer, run.replay(values={"w": w}, block=False):
+        model()  # the outer condition is gone: the replay gives the observation
+    nodes = tracer.trace.nodes
+    assert nodes["y"]["is_observed"] and nodes["y"]["value"] == 0.7
+    assert nodes["twice_w"]["value"] == 2 * w  # at the replayed value, not the first run's
+
+
 def test_the_replay_is_hidden_from_enclosing_handlers_unless_asked():
     with RunRecorder() as run:
         dropout_model(X, X)
