@@ -16,13 +16,15 @@ Get Pyro's tests with ``git clone https://github.com/pyro-ppl/pyro`` (the files
 ``tests/{__init__,common,conftest}.py``, ``tests/infer/{__init__,test_valid_models,test_gradient}.py`` and
 ``setup.cfg``). Takes about 20 minutes on 2 cores; not part of CI.
 
-Run: ``python scripts/pyro_suite.py --pyro-src <pyro checkout>``; writes ``results/conformance/pyro_suite.{json,md}``.
+Run: ``python scripts/pyro_suite.py --pyro-src <pyro checkout>``; writes ``results/conformance/pyro_suite.{json,md}``
+(``--no-run`` renders the recorded ``.json`` again).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -54,11 +56,8 @@ def run(pyro_src: Path, kind: str, radius: float, out: Path) -> tuple[list[dict]
     return json.loads(out.read_text()), time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pyro-src", type=Path, required=True, help="a Pyro source checkout (its tests/)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "conformance" / "pyro_suite.md")
-    args = parser.parse_args(argv)
+def render(details: dict[str, list[dict]], minutes: dict[str, float]) -> str:
+    """The Markdown report of the records ``{"<objective> @ <radius>": [{test, outcome, message}]}``."""
     import pyro
 
     lines = [
@@ -73,33 +72,54 @@ def main(argv: list[str] | None = None) -> None:
         "| objective | radius | tests | pass | refused (clear error) | differs (by design) | fail | minutes |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    details = {}
-    for name, kind, radius in CONFIGS:
-        records, seconds = run(args.pyro_src, kind, radius, args.out.with_suffix(f".{kind}.{radius}.json"))
+    for key, records in details.items():
+        name, radius = key.split(" @ ")
         counts = Counter(r["outcome"] for r in records)
-        lines.append(f"| {name} | {radius:g} | {len(records)} | {counts['pass']} | {counts['refused']} | "
-                     f"{counts['differs']} | {counts['fail']} | {seconds / 60:.1f} |")
-        details[f"{name} @ {radius:g}"] = records
-        args.out.with_suffix(f".{kind}.{radius}.json").unlink()
-    lines += ["", "Refusals, by reason (the site names in a message replaced by `…`):", ""]
+        lines.append(f"| {name} | {radius} | {len(records)} | {counts['pass']} | {counts['refused']} | "
+                     f"{counts['differs']} | {counts['fail']} | {minutes.get(key, math.nan):.1f} |")
+    lines += ["", "Refusals, by reason (site names replaced by `…`; tests counted over both radii):", ""]
     reasons = Counter()
     for key, records in details.items():
         for r in records:
             if r["outcome"] == "refused":
                 reasons[(key.split(" @ ")[0], re.sub(r"'[^']*'", "'…'", r["message"]))] += 1
-    lines += [f"* {objective} ({count} tests at both radii): {reason}" for (objective, reason), count in
-              sorted(reasons.items())]
+    lines += [f"* {objective}, {count} tests: {reason}" for (objective, reason), count in sorted(reasons.items())]
     lines += ["", "Failures and differences:", ""]
     for key, records in details.items():
         for r in records:
             if r["outcome"] in ("fail", "differs"):
-                lines.append(f"* {key} — {r['outcome']}: `{r['test']}` — {r['message'][:200]}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n\nCommand (Pyro's tests from a checkout of pyro-ppl, e.g. with "
-                        "`git clone https://github.com/pyro-ppl/pyro`):\n\n```bash\npython scripts/pyro_suite.py "
-                        "--pyro-src <pyro checkout>\n```\n")
-    args.out.with_suffix(".json").write_text(json.dumps(details, indent=1) + "\n")
-    print("\n".join(lines[:6 + len(CONFIGS)]))
+                message = " ".join(r["message"].split())[:160]
+                lines.append(f"* {key} — {r['outcome']}: `{r['test'].split('::')[-1]}` — {message}")
+    lines += ["", "Command (Pyro's tests from a checkout of pyro-ppl, e.g. `git clone "
+              "https://github.com/pyro-ppl/pyro`):", "", "```bash",
+              "python scripts/pyro_suite.py --pyro-src <pyro checkout>", "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pyro-src", type=Path, help="a Pyro source checkout (its tests/); required unless --no-run")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "conformance" / "pyro_suite.md")
+    parser.add_argument("--no-run", action="store_true", help="render the recorded results (the .json) again")
+    args = parser.parse_args(argv)
+    records_file = args.out.with_suffix(".json")
+    if args.no_run:
+        saved = json.loads(records_file.read_text())
+        details, minutes = saved["records"], saved["minutes"]
+    else:
+        if args.pyro_src is None:
+            parser.error("--pyro-src is required (or --no-run)")
+        details, minutes = {}, {}
+        for name, kind, radius in CONFIGS:
+            scratch = args.out.with_suffix(f".{kind}.{radius}.json")
+            records, seconds = run(args.pyro_src, kind, radius, scratch)
+            scratch.unlink()
+            details[f"{name} @ {radius:g}"], minutes[f"{name} @ {radius:g}"] = records, seconds / 60
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        records_file.write_text(json.dumps({"records": details, "minutes": minutes}, indent=1) + "\n")
+    text = render(details, minutes)
+    args.out.write_text(text)
+    print(text.split("\n\nRefusals")[0])
 
 
 if __name__ == "__main__":
