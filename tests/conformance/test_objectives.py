@@ -1,6 +1,7 @@
 """Every flat objective on every catalogue case: at zero radius it is its base objective draw for draw; at a positive
-radius its three entry points agree, SVI steps and Predictive draws stay in the supports; what it cannot do it refuses
-with an error naming the site."""
+radius its three entry points agree, its loss differs from the zero-radius one (the perturbation reaches the
+likelihood), SVI steps and Predictive draws stay in the supports; what it cannot do it refuses with an error naming the
+site."""
 
 from __future__ import annotations
 
@@ -130,6 +131,9 @@ def test_positive_radius_entry_points_svi_and_predictive(method, case, outcome):
         value = getattr(elbo, entry)(case.model, guide, *case.args, **case.kwargs)
         values.append(value.item() if torch.is_tensor(value) else value)
     assert values[0] == pytest.approx(values[1], rel=1e-10) == pytest.approx(values[2], rel=1e-10)
+    pyro.set_rng_seed(5)
+    unperturbed = flat(0.0, **case.elbo_kwargs).loss(case.model, guide, *case.args, **case.kwargs)
+    assert values[0] != pytest.approx(unperturbed, rel=1e-6)  # the perturbation reaches the likelihood
     svi = SVI(case.model, guide, pyro.optim.Adam({"lr": 0.01}), elbo)
     for _ in range(2):
         assert torch.isfinite(torch.tensor(svi.step(*case.args, **case.kwargs)))
