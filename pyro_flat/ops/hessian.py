@@ -18,15 +18,15 @@ loss *from its argument* (a closure over a module's own parameters is not differ
 :func:`pyro_flat.metrics.network_loss_fn` or :func:`pyro_flat.metrics.model_loss_fn` to build one.
 
 References:
-    [1] `Fast Exact Multiplication by the Hessian`, Barak A. Pearlmutter (Neural Computation 1994),
-        doi:10.1162/neco.1994.6.1.147
-    [2] `Matrix Computations` (4th ed.), Gene H. Golub, Charles F. Van Loan (2013), §10.1–10.3
-    [3] `A Stochastic Estimator of the Trace of the Influence Matrix for Laplacian Smoothing Splines`,
-        M. F. Hutchinson (Communications in Statistics 1990), doi:10.1080/03610919008812866
-    [4] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-    [5] `PyHessian: Neural Networks Through the Lens of the Hessian`, Zhewei Yao, Amir Gholami, Kurt Keutzer,
-        Michael W. Mahoney (2020), arXiv:1912.07145
+    * [1] `Fast Exact Multiplication by the Hessian`, Barak A. Pearlmutter (Neural Computation 1994),
+      doi:10.1162/neco.1994.6.1.147
+    * [2] `Matrix Computations` (4th ed.), Gene H. Golub, Charles F. Van Loan (2013), §10.1–10.3
+    * [3] `A Stochastic Estimator of the Trace of the Influence Matrix for Laplacian Smoothing Splines`,
+      M. F. Hutchinson (Communications in Statistics 1990), doi:10.1080/03610919008812866
+    * [4] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    * [5] `PyHessian: Neural Networks Through the Lens of the Hessian`, Zhewei Yao, Amir Gholami, Kurt Keutzer,
+      Michael W. Mahoney (2020), arXiv:1912.07145
 """
 
 from __future__ import annotations
