@@ -14,9 +14,9 @@ strategies (``init_to_median``/``init_to_uniform``), ``initialize_model`` (it ru
 ``AutoNormal``/``AutoDelta`` and ``MCMC`` all need.
 
 References:
-    [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
-    [2] `Pattern Recognition and Machine Learning`, Christopher M. Bishop (Springer 2006), section 3.3,
-        ISBN:978-0-387-31073-2
+    * [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+    * [2] `Pattern Recognition and Machine Learning`, Christopher M. Bishop (Springer 2006), section 3.3,
+      ISBN:978-0-387-31073-2
 """
 
 from __future__ import annotations
