@@ -43,10 +43,10 @@ Usage (after a pretraining SVI run of ``guide``)::
     Predictive(model, guide=averaged, num_samples=30)(x_test)
 
 References:
-    [1] `Hyperparameters Weight Averaging in Bayesian Neural Networks`, Belhal Karimi, Ping Li (AABI 2020),
-        OpenReview QkMt2L5Uon6, HAL hal-03087352
-    [2] `Averaging Weights Leads to Wider Optima and Better Generalization`, Pavel Izmailov, Dmitrii Podoprikhin,
-        Timur Garipov, Dmitry Vetrov, Andrew Gordon Wilson (UAI 2018), arXiv:1803.05407
+    * [1] `Hyperparameters Weight Averaging in Bayesian Neural Networks`, Belhal Karimi, Ping Li (AABI 2020),
+      OpenReview QkMt2L5Uon6, HAL hal-03087352
+    * [2] `Averaging Weights Leads to Wider Optima and Better Generalization`, Pavel Izmailov, Dmitrii Podoprikhin,
+      Timur Garipov, Dmitry Vetrov, Andrew Gordon Wilson (UAI 2018), arXiv:1803.05407
 """
 
 from __future__ import annotations
