@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .._validation import check_int
 from .sam import check_radius, sam_perturbation
 from .tree import flatten, unflatten_like
 
@@ -65,11 +66,6 @@ def _fresh_leaves(params: Sequence[Tensor]) -> list[Tensor]:
             )
     return [p.detach().requires_grad_(True) for p in params]
 
-
-def _check_positive_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
-    return value
 
 
 def _check_generator(generator: torch.Generator | None, like: Tensor) -> None:
@@ -205,8 +201,8 @@ def _lanczos(
 
 
 def _check_lanczos_args(k: int, num_iters: int, tol: float, num_params: int) -> None:
-    _check_positive_int(k, "k")
-    _check_positive_int(num_iters, "num_iters")
+    check_int(k, "k")
+    check_int(num_iters, "num_iters")
     if k > num_params:
         raise ValueError(f"`k` must be <= the number of parameters ({num_params}), got {k}")
     if k > num_iters:
@@ -308,7 +304,7 @@ def hutchinson_trace_estimates(
     :func:`hutchinson_trace`.
     """
     leaves = _fresh_leaves(params)
-    _check_positive_int(num_samples, "num_samples")
+    check_int(num_samples, "num_samples")
     _check_generator(generator, leaves[0])
     like = leaves[0]
     num_params = sum(p.numel() for p in leaves)

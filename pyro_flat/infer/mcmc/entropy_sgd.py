@@ -10,9 +10,10 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_median
 from torch import Tensor
 
+from ..._validation import check_int
 from ...ops.diffusions import coupling_grad, langevin_step, running_mean
 from ...transforms.local_entropy import _check_eta
-from .base import Params, StochasticGradientKernel, _check_int
+from .base import Params, StochasticGradientKernel
 from .schedules import StepSizeSchedule
 
 __all__ = ["EntropySGD"]
@@ -100,7 +101,7 @@ class EntropySGD(StochasticGradientKernel):
         )
         owner = type(self).__name__
         self.eta = _check_eta(eta, owner)
-        self.num_inner_steps = _check_int(num_inner_steps, "num_inner_steps", owner, 1)
+        self.num_inner_steps = check_int(num_inner_steps, "num_inner_steps", owner=owner)
         if mean_weight is not None:
             ok = isinstance(mean_weight, (int, float)) and not isinstance(mean_weight, bool)
             if not ok or not 0 < mean_weight <= 1:

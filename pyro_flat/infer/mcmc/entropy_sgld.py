@@ -21,8 +21,8 @@ class EntropySGLD(EntropySGD):
 
     an SGLD step (:func:`~pyro_flat.ops.diffusions.langevin_step`) on :math:`-F` with the estimated gradient
     :math:`(x-\mu)/\eta`, outer step size :math:`\lambda` (default :math:`\eta`, which gives
-    :math:`x \leftarrow \mu + \sqrt{2\eta T}\,\xi`) and temperature :math:`T` (:math:`1/\tau` of [1]). Each transition costs :math:`L`
-    gradient evaluations. Parameters as for :class:`~pyro_flat.infer.mcmc.EntropySGD`.
+    :math:`x \leftarrow \mu + \sqrt{2\eta T}\,\xi`) and temperature :math:`T` (:math:`1/\tau` of [1]). Each
+    transition costs :math:`L` gradient evaluations. Parameters as for :class:`~pyro_flat.infer.mcmc.EntropySGD`.
 
     .. warning:: Doubly biased: by the finite inner chain (:math:`\mu` is a noisy, finite-:math:`L` estimate of
         :math:`\mathbb E[x'\mid x]`) and by the unadjusted outer step.
