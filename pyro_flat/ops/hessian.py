@@ -6,7 +6,7 @@ concatenated (:func:`pyro_flat.ops.tree.flatten`), :math:`L(\theta)` the loss an
 :math:`H=\nabla^2_\theta L(\theta)` its Hessian, with eigenvalues :math:`\lambda_1\ge\lambda_2\ge\dots\ge\lambda_P`.
 
 * :func:`hessian_vector_product` — :math:`Hv` by double backward (Pearlmutter's trick [1]); :math:`H` is never formed.
-* :func:`top_hessian_eigenvalues` / :func:`top_hessian_eigenpairs` — the :math:`k` algebraically largest
+* :func:`top_hessian_eigenpairs` — the :math:`k` algebraically largest
   eigenvalues (and unit eigenvectors) by the Lanczos method with full reorthogonalisation [2].
 * :func:`hutchinson_trace` — :math:`\operatorname{tr}H` by Hutchinson's estimator with Rademacher probes [3].
 * :func:`sam_sharpness` — the SAM sharpness :math:`L(\theta+\hat\epsilon)-L(\theta)` [4].
@@ -266,23 +266,6 @@ def top_hessian_eigenpairs(
     return values, [unflatten_like(v, leaves) for v in vectors]
 
 
-def top_hessian_eigenvalues(
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    k: int = 1,
-    *,
-    num_iters: int = 100,
-    tol: float = 1e-4,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    r"""The :math:`k` algebraically largest Hessian eigenvalues :math:`\lambda_1\ge\dots\ge\lambda_k`, shape ``[k]``.
-
-    Lanczos with full reorthogonalisation; see :func:`top_hessian_eigenpairs` for the method, the stopping rule
-    and the arguments.
-    """
-    return top_hessian_eigenpairs(loss_fn, params, k, num_iters=num_iters, tol=tol, generator=generator)[0]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # trace and sharpness
 # ---------------------------------------------------------------------------------------------------------------------
@@ -374,5 +357,4 @@ __all__ = [
     "hutchinson_trace_estimates",
     "sam_sharpness",
     "top_hessian_eigenpairs",
-    "top_hessian_eigenvalues",
 ]
