@@ -69,13 +69,14 @@ def test_summary_mean_and_std():
 
 def test_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["bench", "--methods", "map", "--epochs", "1", "--out", str(out), "--no-progress",
+    code = main(["bench", "--methods", "map", "sam", "--epochs", "1", "--out", str(out), "--no-progress",
                  "--set", "map.unused=1"])
     assert code == 0
     payload = json.loads((out / "results.json").read_text())
-    assert payload["records"][0]["method"] == "map"
+    assert [r["method"] for r in payload["records"]] == ["map", "sam"]
     assert payload["config"]["num_epochs"] == 1
     assert (out / "reliability_digits.png").stat().st_size > 1000
+    assert (out / "flat_vs_base_digits.png").stat().st_size > 1000  # sam against its base, map
     assert "| map |" in (out / "table.md").read_text()
 
 
