@@ -62,18 +62,66 @@ def write_inventory(path: Path, project: str, version: str, entries: list[tuple[
     path.write_bytes(header.encode() + zlib.compress(body.encode()))
 
 
+# the pages of Pyro's documentation that document the core library (the contrib pages need extra packages)
+PYRO_PAGES = ["primitives", "inference", "inference_algos", "mcmc", "infer.autoguide", "infer.reparam", "infer.util",
+              "distributions", "parameters", "nn", "optimization", "poutine"]
+
+
 def build_pyro_inventory(source: Path) -> None:
-    """Build Pyro's documentation from ``source`` (autodoc of the installed pyro) and keep its ``objects.inv``."""
+    """Build Pyro's core documentation pages from ``source`` (autodoc of the installed pyro) and keep its
+    ``objects.inv``."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
-        shutil.copytree(source, src, ignore=shutil.ignore_patterns("conf.py", "_static"))
+        src.mkdir()
+        for page in PYRO_PAGES:
+            shutil.copy(source / f"{page}.rst", src)
+        for text in source.glob("*.txt"):
+            shutil.copy(text, src)
+        (src / "index.rst").write_text("Pyro\n====\n\n.. toctree::\n\n" + "".join(f"   {p}\n" for p in PYRO_PAGES))
+        # no mocked imports: a mocked funsor sends pyro.poutine's singledispatch into an endless loop
         (src / "conf.py").write_text(
             'project = "Pyro"\nextensions = ["sphinx.ext.autodoc", "sphinx.ext.mathjax", "sphinx.ext.napoleon"]\n'
-            'autodoc_mock_imports = ["graphviz", "funsor", "observations", "pyroapi"]\n'
         )
         subprocess.run([sys.executable, "-m", "sphinx", "-q", "-b", "html", str(src), str(Path(tmp) / "out")],
                        check=False)
-        shutil.copy(Path(tmp) / "out" / "objects.inv", OUT / "pyro.inv")
+        add_short_names(Path(tmp) / "out" / "objects.inv", OUT / "pyro.inv")
+
+
+def add_short_names(source: Path, target: Path) -> None:
+    """Copy an inventory, adding for every Python object the shorter public paths it is importable from
+    (``pyro.infer.trace_elbo.Trace_ELBO`` is also ``pyro.infer.Trace_ELBO``, the name our docstrings use)."""
+    import importlib
+
+    raw = source.read_bytes()
+    header_end = 0
+    for _ in range(4):
+        header_end = raw.index(b"\n", header_end) + 1
+    lines = zlib.decompress(raw[header_end:]).decode().splitlines()
+    names = {line.split(" ", 1)[0] for line in lines}
+    extra = []
+    for line in lines:
+        name, role, priority, uri, display = line.split(" ", 4)
+        if role not in ("py:class", "py:function") or "." not in name:
+            continue
+        module_name, attribute = name.rsplit(".", 1)
+        try:
+            obj = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError):
+            continue
+        parts = module_name.split(".")
+        for cut in range(1, len(parts)):
+            short = ".".join(parts[:cut])
+            alias = f"{short}.{attribute}"
+            if alias in names:
+                continue
+            try:
+                if getattr(importlib.import_module(short), attribute, None) is obj:
+                    uri = uri.replace("$", name) if uri.endswith("$") else uri
+                    extra.append(f"{alias} {role} {priority} {uri} {display if display != '-' else name}")
+                    names.add(alias)
+            except ImportError:
+                continue
+    target.write_bytes(raw[:header_end] + zlib.compress("\n".join(lines + extra).encode() + b"\n"))
 
 
 def main(argv: list[str] | None = None) -> None:
