@@ -2,8 +2,8 @@
 
 Runs ``pytest tests/conformance`` with ``PYRO_FLAT_CONFORMANCE_OUT`` set (the suite then records, for every method,
 catalogue case and check, whether it passed, was refused with a clear error, or failed), writes the records to
-``results/conformance/outcomes.json``, the detailed page ``docs/conformance.md`` (method x case) and the summary
-(method x model feature) between the ``conformance`` markers of ``README.md``.
+``results/conformance/outcomes.json`` and the documentation page ``docs/conformance.md``: the summary (method x model
+feature) and the detail (method x case). A README that carries the ``conformance`` markers gets the summary too.
 
 Run: ``python scripts/conformance_table.py`` (``--no-run`` renders the committed outcomes again).
 """

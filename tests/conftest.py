@@ -3,7 +3,6 @@
 * Statistical tests run in float64 (the default dtype here); tests that need float32 ask for it.
 * Pyro's parameter store is cleared and validation is on before every test; every test starts from seed 0
   unless it is marked ``@pytest.mark.init(rng_seed=...)``.
-* ``CI=1`` is set so tutorials and examples run in their fast smoke mode.
 * torch uses one thread per test worker.
 """
 
@@ -15,7 +14,6 @@ import pyro
 import pytest
 import torch
 
-os.environ.setdefault("CI", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 # The suite runs as `pytest -n 2` on 2 cores: one torch thread per worker. Two threads per worker make the small
 # tensors of these tests fight for the cores (measured 5-20x slower).

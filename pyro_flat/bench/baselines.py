@@ -10,11 +10,11 @@ r"""The non-flat baselines, built on plain Pyro, that every flat method is compa
 Every weight starts at the network's own torch initialisation (:func:`~pyro_flat.nn.init_to_network`).
 
 References:
-    [1] `Weight Uncertainty in Neural Networks`, Charles Blundell, Julien Cornebise, Koray Kavukcuoglu,
-        Daan Wierstra (ICML 2015), arXiv:1505.05424
-    [2] `Dropout as a Bayesian Approximation`, Yarin Gal, Zoubin Ghahramani (ICML 2016), arXiv:1506.02142
-    [3] `Simple and Scalable Predictive Uncertainty Estimation using Deep Ensembles`, Balaji Lakshminarayanan,
-        Alexander Pritzel, Charles Blundell (NeurIPS 2017), arXiv:1612.01474
+    * [1] `Weight Uncertainty in Neural Networks`, Charles Blundell, Julien Cornebise, Koray Kavukcuoglu,
+      Daan Wierstra (ICML 2015), arXiv:1505.05424
+    * [2] `Dropout as a Bayesian Approximation`, Yarin Gal, Zoubin Ghahramani (ICML 2016), arXiv:1506.02142
+    * [3] `Simple and Scalable Predictive Uncertainty Estimation using Deep Ensembles`, Balaji Lakshminarayanan,
+      Alexander Pritzel, Charles Blundell (NeurIPS 2017), arXiv:1612.01474
 """
 
 from __future__ import annotations

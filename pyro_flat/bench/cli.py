@@ -6,11 +6,20 @@ import argparse
 import ast
 import shlex
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import PRESETS
+from .. import __version__
+from .config import PRESETS, RunConfig
 from .registry import DATASETS, METHODS, MODELS
+
+DESCRIPTION = """\
+The pyro_flat comparison harness: trains every chosen method on every chosen dataset for each seed, then writes a
+markdown table (mean and std over seeds), results.json (every seed's metrics, the configuration, the environment),
+reliability diagrams and a figure of each flat method against its non-flat base. The presets are explained by
+python -m pyro_flat bench --help.
+"""
 
 
 def _parse_option(text: str) -> tuple[str, str, object]:
@@ -27,19 +36,45 @@ def _parse_option(text: str) -> tuple[str, str, object]:
     return method, key, parsed
 
 
+def preset_help() -> str:
+    """Plain text: what each preset sets, and what every preset shares."""
+    defaults = RunConfig()
+    shared = (f"every preset: {defaults.model.upper()} {'-'.join(map(str, defaults.hidden))}, prior N(0, "
+              f"{defaults.prior_scale:g}^2), Adam lr {defaults.lr:g}, minibatches of {defaults.batch_size}, "
+              f"dropout {defaults.dropout:g} for the MC-Dropout methods, lambda_max of the mean training NLL on "
+              f"{defaults.lambda_max_points} training points, {defaults.dtype} on {defaults.device}")
+    purpose = {"quick": "shorter runs: to try methods or check a change",
+               "full": "the configuration behind the committed result tables"}
+    lines = ["presets:"]
+    for name, config in sorted(PRESETS.items(), key=lambda item: item[0] != "quick"):
+        lines.append(f"  {name:<6}  {config.num_epochs} epochs, {config.num_bma_samples} posterior draws per "
+                     f"prediction, ensembles of {config.ensemble_size}, lambda_max at {config.lambda_max_draws} "
+                     f"draws ({config.lambda_max_iters} iterations)")
+        if name in purpose:
+            lines.append(f"          ({purpose[name]})")
+    lines += textwrap.wrap(shared, width=110, initial_indent="  ", subsequent_indent="          ",
+                           break_on_hyphens=False)
+    return "\n".join([*lines, "--epochs, --model, --device, --dtype and --set override a preset."])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import methods as _methods  # noqa: F401  (fills the registry)
 
-    parser = argparse.ArgumentParser(prog="python -m pyro_flat", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pyro_flat", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pyro_flat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the registered methods, datasets and models")
-    bench = sub.add_parser("bench", help="train and evaluate methods over datasets and seeds")
+    sub.add_parser("list", help="list the registered methods (and the base of each flat one), datasets and models")
+    bench = sub.add_parser("bench", help="train and evaluate methods over datasets and seeds",
+                           description="Train and evaluate methods over datasets and seeds.", epilog=preset_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--datasets", nargs="+", default=["digits"], metavar="NAME",
                        help=f"datasets among {sorted(DATASETS)} (default: digits)")
     bench.add_argument("--methods", nargs="+", default=["all"], metavar="NAME",
-                       help="methods, or 'all' (default); see `list`")
+                       help="methods, or 'all' (default); python -m pyro_flat list shows them")
     bench.add_argument("--seeds", type=int, default=1, help="number of seeds, run as 0..n-1 (default 1)")
-    bench.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="hyperparameter preset")
+    bench.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                       help="hyperparameter preset (default quick; see below)")
     bench.add_argument("--model", choices=sorted(MODELS), default=None, help="model builder (default: preset's)")
     bench.add_argument("--epochs", type=int, default=None, help="override the preset's number of epochs")
     bench.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: preset's)")
@@ -86,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ..data import ClassificationData
     from .registry import DATASETS as _DATASETS
-    from .report import markdown_table, plot_reliability, write_json
+    from .report import markdown_table, plot_flat_vs_base, plot_reliability, record_dict, write_json
     from .runner import run_benchmark
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -99,5 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dataset in args.datasets:
         data: ClassificationData = _DATASETS[dataset](flatten=config.model != "cnn")
         plot_reliability(args.out / f"reliability_{dataset}.png", [r for r in records if r.dataset == dataset], data)
-    print(f"wrote {args.out}/table.md, results.json and reliability_*.png")
+        plot_flat_vs_base(args.out / f"flat_vs_base_{dataset}.png", [record_dict(r) for r in records], dataset)
+    print(f"wrote {args.out}/table.md, results.json, reliability_*.png and flat_vs_base_*.png")
     return 0

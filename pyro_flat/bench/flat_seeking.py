@@ -7,20 +7,20 @@ Each method is its baseline (:mod:`pyro_flat.bench.baselines`) with ``Trace_ELBO
 * ``f_vi`` — F-BBB / F-VI: ``AutoNormal`` + SA-ELBO; baseline ``vi``;
 * ``sam`` — the flat MAP: ``AutoDelta`` + SA-ELBO, which is SAM with the prior as weight decay; baseline ``map``;
 * ``f_mc_dropout`` — F-MC-Dropout: the MAP of a dropout network trained with SAM, predicted with dropout on; the
-  perturbed pass uses the *same* dropout mask as the ascent pass (the authors' code draws a fresh one,
-  ALGORITHMS §1f.3; keeping it is the faithful "perturb the sampled θ"); baseline ``mc_dropout``;
+  perturbed pass uses the *same* dropout mask as the ascent pass (the authors' code draws a fresh one;
+  keeping it is the faithful "perturb the sampled θ"); baseline ``mc_dropout``;
 * ``f_ensemble`` — F-Deep-Ensemble: ``ensemble_size`` members, each trained with SAM from its own initialisation;
-  baseline ``ensemble`` (same number of members, unlike the authors' README: 5 SGD vs 3 SAM members, §1f.7).
+  baseline ``ensemble`` (same number of members, unlike the authors' README: 5 SGD vs 3 SAM members).
 
 Hyperparameters, per method with ``--set <method>.<key>=<value>``: ``rho`` (SAM radius, default 0.05: the F-BNN
-code's value for CIFAR-10 and ImageNet fine-tuning, ALGORITHMS §1c) and ``adaptive`` (ASAM, default ``False``).
+code's value for CIFAR-10 and ImageNet fine-tuning) and ``adaptive`` (ASAM, default ``False``).
 Everything else (epochs, Adam learning rate, batch size, prior, BMA samples) is the run's shared configuration, so
 each flat method differs from its baseline only by the objective. F-SWAG (SWAG collected from the SAM iterates)
 needs the SWAG guide of the averaging issue and is wired where both are available.
 
 References:
-    [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-        Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+      Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
 """
 
 from __future__ import annotations

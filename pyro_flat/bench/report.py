@@ -56,7 +56,11 @@ def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 def markdown_table(records: Sequence[RunRecord]) -> str:
     """A markdown table, one block per dataset; std over seeds after ±."""
-    rows = summarise(records)
+    return summary_table(summarise(records))
+
+
+def summary_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The markdown table of :func:`summarise`'s rows (or the ``summary`` of a ``results.json``)."""
     lines = []
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
         seeds = next(r["seeds"] for r in rows if r["dataset"] == dataset)
@@ -76,6 +80,18 @@ def markdown_table(records: Sequence[RunRecord]) -> str:
     return "\n".join(lines)
 
 
+def record_dict(r: RunRecord) -> dict[str, Any]:
+    """One seed's record as JSON: dataset, method, seed, fit time, metrics and training losses."""
+    return {
+        "dataset": r.dataset,
+        "method": r.method,
+        "seed": r.seed,
+        "fit_seconds": r.fit_seconds,
+        "metrics": r.metrics,
+        "losses": r.info.get("losses", []),
+    }
+
+
 def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, command: str) -> None:
     """Every per-seed record, the summary, the configuration and the environment, as JSON."""
     payload = {
@@ -89,17 +105,7 @@ def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, comm
             "threads": torch.get_num_threads(),
         },
         "methods": {m: METHODS[m].description for m in dict.fromkeys(r.method for r in records)},
-        "records": [
-            {
-                "dataset": r.dataset,
-                "method": r.method,
-                "seed": r.seed,
-                "fit_seconds": r.fit_seconds,
-                "metrics": r.metrics,
-                "losses": r.info.get("losses", []),
-            }
-            for r in records
-        ],
+        "records": [record_dict(r) for r in records],
         "summary": summarise(records),
     }
     path.write_text(json.dumps(payload, indent=1))
@@ -132,3 +138,56 @@ def plot_reliability(path: Path, records: Sequence[RunRecord], data: Classificat
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+FLAT_VS_BASE_METRICS: tuple[tuple[str, str], ...] = (
+    ("acc", "accuracy (%)"),
+    ("nll", "NLL"),
+    ("ece", "ECE"),
+    ("ood_auroc_entropy", "OOD AUROC"),
+    ("lambda_max", "λ_max"),
+)
+
+
+def flat_base_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
+    """``(flat, base)`` for every method in ``methods`` whose registered baseline is also in ``methods``."""
+    present = set(methods)
+    return [(m, METHODS[m].baseline) for m in methods if m in METHODS and METHODS[m].baseline in present]
+
+
+def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: str) -> bool:
+    """Each flat method against its base on ``dataset``, per seed and per metric, saved as PNG.
+
+    One row per (flat, base) pair of the run, one column per metric; in each panel a line per seed joins the base's
+    value (left) to the flat method's (right). ``records`` are the per-seed records of a ``results.json``
+    (:func:`record_dict`). Returns ``False`` (and writes nothing) when the run has no pair on ``dataset``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r["dataset"] == dataset]
+    pairs = flat_base_pairs(list(dict.fromkeys(r["method"] for r in rows)))
+    if not pairs:
+        return False
+    value = {(r["method"], r["seed"]): r["metrics"] for r in rows}
+    cols = len(FLAT_VS_BASE_METRICS)
+    fig, axes = plt.subplots(len(pairs), cols, figsize=(2.3 * cols, 1.9 * len(pairs)), squeeze=False)
+    for (flat, base), panel_row in zip(pairs, axes, strict=True):
+        seeds = sorted(s for m, s in value if m == flat and (base, s) in value)
+        for (key, label), ax in zip(FLAT_VS_BASE_METRICS, panel_row, strict=True):
+            scale = 100.0 if key == "acc" else 1.0
+            for seed in seeds:
+                a, b = value[base, seed].get(key), value[flat, seed].get(key)
+                if a is not None and b is not None:
+                    ax.plot([0, 1], [scale * a, scale * b], "o-", color="C0", alpha=0.7, markersize=3)
+            ax.set_xticks([0, 1], [base, flat], fontsize=7)
+            ax.set_xlim(-0.3, 1.3)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.set_title(label, fontsize=8)
+    fig.suptitle(f"{dataset}: each flat method (right) against its base (left), one line per seed", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -21,7 +21,7 @@ SGD learning rate.
 * ``f_sgld``: F-SGLD [4]: ``sgld`` (same defaults for ``lr``, ``temperature``, ``burn_in``; same budget and thinning) on
   :func:`~pyro_flat.transforms.sharpness_aware` of the model with radius ``rho`` (default 0.05, the flat-seeking
   methods' default), i.e. Langevin dynamics on :math:`U_{\mathrm{SA}}(\theta)=-\log p(\theta)
-  -\ell_B(\theta+\rho\hat g/\|\hat g\|)`. Unlike the authors' code (ALGORITHMS.md §1: SAM fine-tuning from a
+  -\ell_B(\theta+\rho\hat g/\|\hat g\|)`. Unlike the authors' code (SAM fine-tuning from a
   checkpoint with negligible noise) the noise is the full Langevin noise at ``temperature``, so it compares with
   ``sgld`` like with like. Each step costs two forward/backward passes.
 
@@ -31,12 +31,12 @@ digits and a good one on MNIST-1D), then ``eta`` in {0.001, 0.01, 0.1} for ``emc
 worse; 0.001 and 0.01 are close). ``csgld`` reuses ``sgld``'s values untuned.
 
 References:
-    [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
-    [2] `Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning`, Ruqi Zhang, Chunyuan Li, Jianyi Zhang,
-        Changyou Chen, Andrew Gordon Wilson (ICLR 2020), arXiv:1902.03932
-    [3] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
-    [4] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-        Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    * [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+    * [2] `Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning`, Ruqi Zhang, Chunyuan Li, Jianyi Zhang,
+      Changyou Chen, Andrew Gordon Wilson (ICLR 2020), arXiv:1902.03932
+    * [3] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
+    * [4] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+      Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
 """
 
 from __future__ import annotations

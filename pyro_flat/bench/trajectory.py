@@ -31,14 +31,14 @@ Options (``--set method.key=value``): ``swa_start`` (epochs; all trajectory meth
 0.99), ``damping`` (0.1), ``init_scale`` (1.0), ``lr_low_ratio`` (HWA: 0.01).
 
 References:
-    [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-        Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
-    [2] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
-        arXiv:2210.01620
-    [3] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov, Pavel Izmailov,
-        Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
-    [4] `Hyperparameters Weight Averaging in Bayesian Neural Networks`, Belhal Karimi, Ping Li (AABI 2020),
-        OpenReview QkMt2L5Uon6
+    * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+      Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    * [2] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
+      arXiv:2210.01620
+    * [3] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov, Pavel Izmailov,
+      Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
+    * [4] `Hyperparameters Weight Averaging in Bayesian Neural Networks`, Belhal Karimi, Ping Li (AABI 2020),
+      OpenReview QkMt2L5Uon6
 """
 
 from __future__ import annotations

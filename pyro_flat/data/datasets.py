@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
+from .._validation import check_int
+
 __all__ = ["ClassificationData", "RegressionData"]
 
 
@@ -51,12 +53,6 @@ def _check_consistent(owner: str, named: dict[str, Tensor]) -> None:
     dtypes = {name: t.dtype for name, t in named.items() if t.is_floating_point()}
     if len(set(dtypes.values())) > 1:
         raise ValueError(f"{owner}: expected all floating tensors to share one dtype, got {dtypes}")
-
-
-def _check_positive_int(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
-    return value
 
 
 def _check_float_dtype(owner: str, dtype: torch.dtype | None) -> None:
@@ -118,7 +114,7 @@ class _InMemoryData:
         :param int seed: the seed of the shuffling generator; the same seed gives the same sequence of batches.
         :param bool drop_last: drop the last incomplete batch.
         """
-        _check_positive_int(f"{type(self).__name__}.train_loader", "batch_size", batch_size)
+        check_int(batch_size, "batch_size", owner=f"{type(self).__name__}.train_loader")
         return _tensor_loader((self.x_train, self.y_train), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
     def test_loader(self, batch_size: int) -> DataLoader:
@@ -126,7 +122,7 @@ class _InMemoryData:
 
         :param int batch_size: the batch size.
         """
-        _check_positive_int(f"{type(self).__name__}.test_loader", "batch_size", batch_size)
+        check_int(batch_size, "batch_size", owner=f"{type(self).__name__}.test_loader")
         return _tensor_loader((self.x_test, self.y_test), batch_size, shuffle=False, seed=0, drop_last=False)
 
 
@@ -162,7 +158,7 @@ class ClassificationData(_InMemoryData):
 
     def __post_init__(self) -> None:
         owner = "ClassificationData"
-        _check_positive_int(owner, "num_classes", self.num_classes)
+        check_int(self.num_classes, "num_classes", owner=owner)
         _check_features(owner, "x_train", self.x_train)
         _check_features(owner, "x_test", self.x_test)
         if len(self.x_train) == 0:
@@ -248,7 +244,7 @@ class ClassificationData(_InMemoryData):
             if len(x_train) == 0:
                 raise ValueError(f"{owner}: no training example has a label in classes={classes}")
         if num_train is not None:
-            _check_positive_int(owner, "num_train", num_train)
+            check_int(num_train, "num_train", owner=owner)
             if num_train > len(x_train):
                 raise ValueError(f"{owner}: expected num_train <= {len(x_train)} available examples, got {num_train}")
             generator = torch.Generator().manual_seed(seed)
@@ -267,7 +263,7 @@ class ClassificationData(_InMemoryData):
         :param int seed: the seed of the draw.
         """
         owner = "ClassificationData.few_shot"
-        _check_positive_int(owner, "shots_per_class", shots_per_class)
+        check_int(shots_per_class, "shots_per_class", owner=owner)
         generator = torch.Generator().manual_seed(seed)
         labels = self.y_train.cpu()
         picked = []

@@ -10,9 +10,9 @@ scikit-learn and mnist1d are optional (``pip install pyro_flat[bench]``); they a
 that needs them.
 
 References:
-    [1] `Optical Recognition of Handwritten Digits`, E. Alpaydin, C. Kaynak (UCI Machine Learning Repository, 1998),
-        DOI:10.24432/C50P49
-    [2] `Scaling Down Deep Learning with MNIST-1D`, Sam Greydanus, Dmitry Kobak (ICML 2024), arXiv:2011.14439
+    * [1] `Optical Recognition of Handwritten Digits`, E. Alpaydin, C. Kaynak (UCI Machine Learning Repository, 1998),
+      DOI:10.24432/C50P49
+    * [2] `Scaling Down Deep Learning with MNIST-1D`, Sam Greydanus, Dmitry Kobak (ICML 2024), arXiv:2011.14439
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ strategies (``init_to_median``/``init_to_uniform``), ``initialize_model`` (it ru
 ``AutoNormal``/``AutoDelta`` and ``MCMC`` all need.
 
 References:
-    [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
-    [2] `Pattern Recognition and Machine Learning`, Christopher M. Bishop (Springer 2006), section 3.3,
-        ISBN:978-0-387-31073-2
+    * [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+    * [2] `Pattern Recognition and Machine Learning`, Christopher M. Bishop (Springer 2006), section 3.3,
+      ISBN:978-0-387-31073-2
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from .._validation import check_int
 from .datasets import ClassificationData, RegressionData
 
 __all__ = [
@@ -48,12 +49,6 @@ def _resolve(device: torch.device | str | None, dtype: torch.dtype | None) -> tu
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"expected dtype to be a floating torch.dtype or None, got {dtype!r}")
     return torch.device("cpu" if device is None else device), torch.get_default_dtype() if dtype is None else dtype
-
-
-def _check_count(owner: str, name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}: expected {name} to be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _check_positive(owner: str, name: str, value: object) -> float:
@@ -113,8 +108,8 @@ def two_moons(
     :rtype: ClassificationData
     """
     owner = "two_moons"
-    _check_count(owner, "num_data", num_data, 2)
-    _check_count(owner, "num_test", num_test, 2)
+    check_int(num_data, "num_data", minimum=2, owner=owner)
+    check_int(num_test, "num_test", minimum=2, owner=owner)
     if isinstance(noise, bool) or not isinstance(noise, float | int) or not (0 <= noise < math.inf):
         raise ValueError(f"{owner}: expected noise to be a finite number >= 0, got {noise!r}")
     device, dtype = _resolve(device, dtype)
@@ -179,8 +174,8 @@ def heteroscedastic_regression(
     :rtype: RegressionData
     """
     owner = "heteroscedastic_regression"
-    _check_count(owner, "num_data", num_data)
-    _check_count(owner, "num_test", num_test)
+    check_int(num_data, "num_data", owner=owner)
+    check_int(num_test, "num_test", owner=owner)
     low, high = test_range
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
         raise ValueError(f"{owner}: expected test_range = (low, high) with finite low < high, got {test_range!r}")
@@ -327,7 +322,7 @@ class SharpFlatEnergy:
         :type generator: torch.Generator or None
         :returns: samples of shape ``[num_samples, D]``.
         """
-        _check_count("SharpFlatEnergy.sample", "num_samples", num_samples)
+        check_int(num_samples, "num_samples", owner="SharpFlatEnergy.sample")
         options = {"generator": generator, "device": self.device, "dtype": self.dtype}
         is_sharp = torch.rand(num_samples, 1, **options) < self.sharp_weight
         noise = torch.randn(num_samples, self.dim, **options)
@@ -422,8 +417,8 @@ class BayesianLinearRegression:
         :param dtype: the floating dtype (default ``torch.get_default_dtype()``).
         """
         owner = "BayesianLinearRegression.generate"
-        _check_count(owner, "num_data", num_data)
-        _check_count(owner, "dim", dim)
+        check_int(num_data, "num_data", owner=owner)
+        check_int(dim, "dim", owner=owner)
         alpha, beta = _check_positive(owner, "alpha", alpha), _check_positive(owner, "beta", beta)
         device, dtype = _resolve(device, dtype)
         generator = torch.Generator().manual_seed(seed)
@@ -559,7 +554,7 @@ class GaussianTarget:
         :param generator: a generator on the target's device (``None``: torch's global generator).
         :type generator: torch.Generator or None
         """
-        _check_count("GaussianTarget.sample", "num_samples", num_samples)
+        check_int(num_samples, "num_samples", owner="GaussianTarget.sample")
         noise = torch.randn(num_samples, self.dim, generator=generator, device=self.mean.device, dtype=self.mean.dtype)
         return self.mean + noise @ self.scale_tril.T
 

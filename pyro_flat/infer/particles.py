@@ -11,7 +11,7 @@ is evaluated for all of them at once by :func:`torch.func.vmap` over the model r
 :math:`\theta_k` (:class:`~pyro_flat.infer.mcmc.base.ModelPotential`), with its gradient from
 :func:`torch.func.grad_and_value`. On a small network, where a step is dominated by per-call overhead (Python,
 Pyro's tracing, small kernels), K particles cost much less than K separate steps; on a large network the gain
-shrinks to what batching the matrix products gives. ``benchmarks/batched_particles.py`` measures it.
+shrinks to what batching the matrix products gives.
 
 * :class:`BatchedSGLD` — K independent SGLD chains, :math:`\theta_k' = \theta_k - \varepsilon\nabla U(\theta_k) +
   \sqrt{2\varepsilon T}\,\xi_k` (the update of :class:`~pyro_flat.infer.mcmc.SGLD`, :mod:`pyro_flat.ops.diffusions`);
@@ -221,8 +221,8 @@ class BatchedMAP:
     :param optim_kwargs: further ``torch.optim.Adam`` options (``betas``, ``eps``, ``weight_decay``).
 
     References:
-        [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-            Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+        * [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+          Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
     """
 
     def __init__(
@@ -261,6 +261,6 @@ class BatchedMAP:
 
     def members(self) -> list[Particles]:
         """The K members as a list of ``{site: value}`` in constrained coordinates (e.g. for
-        :meth:`pyro_flat.bench.Posterior.from_points` or :func:`pyro_flat.infer.bma_predict`)."""
+        :func:`pyro_flat.infer.bma_predict`)."""
         constrained = self.potential.constrained({n: v.detach() for n, v in self.particles.items()})
         return [{n: v[k] for n, v in constrained.items()} for k in range(self.num_members)]

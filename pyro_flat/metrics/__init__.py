@@ -9,7 +9,6 @@ from .bma import StreamingBMA, bma_log_probs, bma_probs
 from .calibration import accuracy, bma_nll, brier_score, expected_calibration_error, reliability_bins
 from .evaluate import Predictions, evaluate
 from .flatness import (
-    hessian_eigenpairs,
     hessian_eigenvalues,
     hessian_trace,
     model_loss_fn,
@@ -29,7 +28,6 @@ __all__ = [
     "brier_score",
     "evaluate",
     "expected_calibration_error",
-    "hessian_eigenpairs",
     "hessian_eigenvalues",
     "hessian_trace",
     "model_loss_fn",

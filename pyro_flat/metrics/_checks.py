@@ -70,9 +70,3 @@ def check_labels(y: object, num_points: int, num_classes: int, like: Tensor, nam
             f"[{int(y.min())}, {int(y.max())}]"
         )
     return y.long()
-
-
-def check_num_bins(num_bins: object) -> int:
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"`num_bins` must be an integer >= 1, got {num_bins!r}")
-    return num_bins

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_labels, check_num_bins, check_probs
+from .._validation import check_int
+from ._checks import check_labels, check_probs
 
 
 def _check(probs: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -78,7 +79,7 @@ def reliability_bins(probs: Tensor, y: Tensor, num_bins: int = 15) -> dict[str, 
     (ICML 2017), arXiv:1706.04599
     """
     probs, y = _check(probs, y)
-    num_bins = check_num_bins(num_bins)
+    num_bins = check_int(num_bins, "num_bins")
     confidence, prediction = probs.max(dim=1)
     correct = (prediction == y).to(probs.dtype)
     edges = torch.linspace(0, 1, num_bins + 1, dtype=probs.dtype, device=probs.device)

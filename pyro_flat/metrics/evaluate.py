@@ -6,7 +6,8 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from ._checks import check_labels, check_num_bins, check_probs
+from .._validation import check_int
+from ._checks import check_labels, check_probs
 from .bma import StreamingBMA
 from .calibration import accuracy, bma_nll, brier_score, expected_calibration_error
 from .uncertainty import ood_report, predictive_entropy
@@ -86,7 +87,7 @@ def evaluate(
     :param int num_bins: ECE bins, default 15 (see :func:`~pyro_flat.metrics.expected_calibration_error`).
     :returns: ``dict[str, float]``.
     """
-    num_bins = check_num_bins(num_bins)
+    num_bins = check_int(num_bins, "num_bins")
     probs, log_probs, mean_entropy = _resolve(predictions, "predictions")
     y = check_labels(y, probs.shape[0], probs.shape[1], probs)
     if log_probs is None:

@@ -170,11 +170,13 @@ def hessian_eigenvalues(
     num_iters: int = 100,
     tol: float = 1e-4,
     generator: torch.Generator | None = None,
-) -> Tensor:
-    r"""The :math:`k` largest eigenvalues :math:`\lambda_1\ge\dots\ge\lambda_k` of the Hessian of ``loss_fn``.
+    eigenvectors: bool = False,
+) -> Tensor | tuple[Tensor, list[dict[str, Tensor]] | list[list[Tensor]]]:
+    r"""The :math:`k` largest eigenvalues :math:`\lambda_1\ge\dots\ge\lambda_k` of the Hessian of ``loss_fn`` (and,
+    with ``eigenvectors=True``, their unit eigenvectors).
 
     :math:`\lambda_1=\lambda_{\max}` is the usual sharpness measure. Lanczos with full reorthogonalisation: see
-    :func:`pyro_flat.ops.hessian.top_hessian_eigenpairs` for the method, the stopping rule and the arguments.
+    :func:`pyro_flat.ops.hessian.top_hessian_eigenpairs` for the method and the stopping rule.
 
     :param loss_fn: from :func:`network_loss_fn` (takes a list) or :func:`model_loss_fn` (takes a dict).
     :param params: the point: a list of tensors for a list loss, ``{site name: value}`` for a dict loss.
@@ -182,30 +184,17 @@ def hessian_eigenvalues(
     :param int num_iters: maximum number of Hessian-vector products, default 100.
     :param float tol: relative residual tolerance, default 1e-4.
     :param generator: random generator on the parameters' device.
-    :returns: shape ``[k]``, descending.
-    """
-    fn, values = _as_list(loss_fn, params)
-    return _hessian.top_hessian_eigenvalues(fn, values, k, num_iters=num_iters, tol=tol, generator=generator)
-
-
-def hessian_eigenpairs(
-    loss_fn: Callable[..., Tensor],
-    params: Params,
-    k: int = 1,
-    *,
-    num_iters: int = 100,
-    tol: float = 1e-4,
-    generator: torch.Generator | None = None,
-) -> tuple[Tensor, list[dict[str, Tensor]] | list[list[Tensor]]]:
-    r"""Like :func:`hessian_eigenvalues`, also returning unit eigenvectors structured like ``params``.
-
-    :returns: ``(eigenvalues [k], eigenvectors)``; each of the ``k`` eigenvectors is a dict (for dict ``params``)
-        or a list of tensors, with global L2 norm 1.
+    :param bool eigenvectors: also return the eigenvectors (default ``False``).
+    :returns: the eigenvalues, shape ``[k]``, descending; with ``eigenvectors=True`` the pair ``(eigenvalues,
+        vectors)``, each of the ``k`` vectors structured like ``params`` (a dict or a list of tensors) with global
+        L2 norm 1.
     """
     fn, values = _as_list(loss_fn, params)
     eigenvalues, vectors = _hessian.top_hessian_eigenpairs(
         fn, values, k, num_iters=num_iters, tol=tol, generator=generator
     )
+    if not eigenvectors:
+        return eigenvalues
     if isinstance(params, Mapping):
         return eigenvalues, [dict(zip(params, v, strict=True)) for v in vectors]
     return eigenvalues, vectors
@@ -249,7 +238,6 @@ def sam_sharpness(loss_fn: Callable[..., Tensor], params: Params, rho: float = 0
 
 
 __all__ = [
-    "hessian_eigenpairs",
     "hessian_eigenvalues",
     "hessian_trace",
     "model_loss_fn",

@@ -28,8 +28,8 @@ h_i(\theta_i-a_i)^2` with :math:`\delta=0`, the mean settles at :math:`m=a` (the
 :math:`\mathbb E[s] = h\sqrt{2/(\pi N)} + \gamma` at stationarity, and the sample variance is :math:`1/(Ns)`.
 
 References:
-    [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
-        arXiv:2210.01620
+    * [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
+      arXiv:2210.01620
 """
 
 from __future__ import annotations

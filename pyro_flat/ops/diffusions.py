@@ -26,13 +26,13 @@ code, ``posteriors``) use a learning rate :math:`\alpha` on that scale; it corre
     add a further :math:`O(\varepsilon)` variance. The bias vanishes as :math:`\varepsilon \to 0` (pyro#1921).
 
 References:
-    [1] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
-    [2] `Stochastic Gradient Hamiltonian Monte Carlo`, Tianqi Chen, Emily B. Fox, Carlos Guestrin (ICML 2014),
-        arXiv:1402.4102
-    [3] `Entropy-SGD: Biasing Gradient Descent Into Wide Valleys`, Pratik Chaudhari, Anna Choromanska, Stefano
-        Soatto, Yann LeCun, Carlo Baldassi, Christian Borgs, Jennifer Chayes, Levent Sagun, Riccardo Zecchina
-        (ICLR 2017), arXiv:1611.01838
-    [4] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+    * [1] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
+    * [2] `Stochastic Gradient Hamiltonian Monte Carlo`, Tianqi Chen, Emily B. Fox, Carlos Guestrin (ICML 2014),
+      arXiv:1402.4102
+    * [3] `Entropy-SGD: Biasing Gradient Descent Into Wide Valleys`, Pratik Chaudhari, Anna Choromanska, Stefano
+      Soatto, Yann LeCun, Carlo Baldassi, Christian Borgs, Jennifer Chayes, Levent Sagun, Riccardo Zecchina
+      (ICLR 2017), arXiv:1611.01838
+    * [4] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
 """
 
 from __future__ import annotations

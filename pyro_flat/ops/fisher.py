@@ -44,10 +44,10 @@ the score :math:`s = \nabla_\phi \log q_\phi(\theta)` at the sampled :math:`\the
 block :math:`k` (mean, scale, factor), :math:`\delta_k = \rho\, s_k / \|s_k\|_2`, with :math:`\rho = \sqrt{2\gamma}`.
 
 References:
-    [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
-        Hoyoon Byun, Jinho Kang, Yohan Jung, Jiyoung Jung, Kyungwoo Song (2024), arXiv:2406.15664
-    [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    * [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
+      Hoyoon Byun, Jinho Kang, Yohan Jung, Jiyoung Jung, Kyungwoo Song (2024), arXiv:2406.15664
+    * [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
 """
 
 from __future__ import annotations

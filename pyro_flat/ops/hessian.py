@@ -6,7 +6,7 @@ concatenated (:func:`pyro_flat.ops.tree.flatten`), :math:`L(\theta)` the loss an
 :math:`H=\nabla^2_\theta L(\theta)` its Hessian, with eigenvalues :math:`\lambda_1\ge\lambda_2\ge\dots\ge\lambda_P`.
 
 * :func:`hessian_vector_product` — :math:`Hv` by double backward (Pearlmutter's trick [1]); :math:`H` is never formed.
-* :func:`top_hessian_eigenvalues` / :func:`top_hessian_eigenpairs` — the :math:`k` algebraically largest
+* :func:`top_hessian_eigenpairs` — the :math:`k` algebraically largest
   eigenvalues (and unit eigenvectors) by the Lanczos method with full reorthogonalisation [2].
 * :func:`hutchinson_trace` — :math:`\operatorname{tr}H` by Hutchinson's estimator with Rademacher probes [3].
 * :func:`sam_sharpness` — the SAM sharpness :math:`L(\theta+\hat\epsilon)-L(\theta)` [4].
@@ -18,15 +18,15 @@ loss *from its argument* (a closure over a module's own parameters is not differ
 :func:`pyro_flat.metrics.network_loss_fn` or :func:`pyro_flat.metrics.model_loss_fn` to build one.
 
 References:
-    [1] `Fast Exact Multiplication by the Hessian`, Barak A. Pearlmutter (Neural Computation 1994),
-        doi:10.1162/neco.1994.6.1.147
-    [2] `Matrix Computations` (4th ed.), Gene H. Golub, Charles F. Van Loan (2013), §10.1–10.3
-    [3] `A Stochastic Estimator of the Trace of the Influence Matrix for Laplacian Smoothing Splines`,
-        M. F. Hutchinson (Communications in Statistics 1990), doi:10.1080/03610919008812866
-    [4] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-    [5] `PyHessian: Neural Networks Through the Lens of the Hessian`, Zhewei Yao, Amir Gholami, Kurt Keutzer,
-        Michael W. Mahoney (2020), arXiv:1912.07145
+    * [1] `Fast Exact Multiplication by the Hessian`, Barak A. Pearlmutter (Neural Computation 1994),
+      doi:10.1162/neco.1994.6.1.147
+    * [2] `Matrix Computations` (4th ed.), Gene H. Golub, Charles F. Van Loan (2013), §10.1–10.3
+    * [3] `A Stochastic Estimator of the Trace of the Influence Matrix for Laplacian Smoothing Splines`,
+      M. F. Hutchinson (Communications in Statistics 1990), doi:10.1080/03610919008812866
+    * [4] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    * [5] `PyHessian: Neural Networks Through the Lens of the Hessian`, Zhewei Yao, Amir Gholami, Kurt Keutzer,
+      Michael W. Mahoney (2020), arXiv:1912.07145
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .._validation import check_int
 from .sam import check_radius, sam_perturbation
 from .tree import flatten, unflatten_like
 
@@ -65,11 +66,6 @@ def _fresh_leaves(params: Sequence[Tensor]) -> list[Tensor]:
             )
     return [p.detach().requires_grad_(True) for p in params]
 
-
-def _check_positive_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
-    return value
 
 
 def _check_generator(generator: torch.Generator | None, like: Tensor) -> None:
@@ -205,8 +201,8 @@ def _lanczos(
 
 
 def _check_lanczos_args(k: int, num_iters: int, tol: float, num_params: int) -> None:
-    _check_positive_int(k, "k")
-    _check_positive_int(num_iters, "num_iters")
+    check_int(k, "k")
+    check_int(num_iters, "num_iters")
     if k > num_params:
         raise ValueError(f"`k` must be <= the number of parameters ({num_params}), got {k}")
     if k > num_iters:
@@ -270,23 +266,6 @@ def top_hessian_eigenpairs(
     return values, [unflatten_like(v, leaves) for v in vectors]
 
 
-def top_hessian_eigenvalues(
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    k: int = 1,
-    *,
-    num_iters: int = 100,
-    tol: float = 1e-4,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    r"""The :math:`k` algebraically largest Hessian eigenvalues :math:`\lambda_1\ge\dots\ge\lambda_k`, shape ``[k]``.
-
-    Lanczos with full reorthogonalisation; see :func:`top_hessian_eigenpairs` for the method, the stopping rule
-    and the arguments.
-    """
-    return top_hessian_eigenpairs(loss_fn, params, k, num_iters=num_iters, tol=tol, generator=generator)[0]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # trace and sharpness
 # ---------------------------------------------------------------------------------------------------------------------
@@ -308,7 +287,7 @@ def hutchinson_trace_estimates(
     :func:`hutchinson_trace`.
     """
     leaves = _fresh_leaves(params)
-    _check_positive_int(num_samples, "num_samples")
+    check_int(num_samples, "num_samples")
     _check_generator(generator, leaves[0])
     like = leaves[0]
     num_params = sum(p.numel() for p in leaves)
@@ -378,5 +357,4 @@ __all__ = [
     "hutchinson_trace_estimates",
     "sam_sharpness",
     "top_hessian_eigenpairs",
-    "top_hessian_eigenvalues",
 ]

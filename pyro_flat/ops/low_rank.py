@@ -22,8 +22,8 @@ where :math:`c` is SWAG's ``scale`` (:math:`c = 1/2` gives the paper's :math:`\t
 :math:`V_{ik} = D_{ik}/\sqrt{(K-1)\,\mathrm{var}_i}` (``c`` cancels).
 
 References:
-    [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov, Pavel Izmailov,
-        Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
+    * [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov, Pavel Izmailov,
+      Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
 """
 
 from __future__ import annotations

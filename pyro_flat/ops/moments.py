@@ -25,8 +25,8 @@ i.e. :math:`\tilde\theta\sim\mathcal N\big(\bar\theta,\ \lambda(\Sigma_{\mathrm{
 Everything here works on flat vectors, in place, on the tensors' own device (no host synchronisation).
 
 References:
-    [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov, Pavel Izmailov,
-        Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
+    * [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov, Pavel Izmailov,
+      Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019), arXiv:1902.02476
 """
 
 from __future__ import annotations

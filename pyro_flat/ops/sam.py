@@ -11,10 +11,10 @@ where :math:`\|\cdot\|_2` is the *global* norm over all parameter tensors togeth
 .. math:: \hat\epsilon(\theta) = \rho\, \frac{T_\theta^2\, g}{\|T_\theta\, g\|_2}.
 
 References:
-    [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-    [2] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-        Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    * [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    * [2] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
+      Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
 """
 
 from __future__ import annotations

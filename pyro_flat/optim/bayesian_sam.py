@@ -47,8 +47,8 @@ minibatch at the guide's values — no prior term, since the prior enters throug
     Predictive(model, guide=posterior, num_samples=30)(x_test)    # or bma_predict(model, guide_draws(...), x_test)
 
 References:
-    [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
-        arXiv:2210.01620
+    * [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
+      arXiv:2210.01620
 """
 
 from __future__ import annotations
@@ -116,10 +116,6 @@ class BayesianSAM(Optimizer):
     .. note:: The closure must return the *mean* loss over its (sub-)batch: :math:`N` multiplies it implicitly
         through the noise scale :math:`1/\sqrt{Ns}` and :math:`\delta`. A Pyro ``Trace_ELBO`` loss is the *sum*
         over the data set plus the prior; divide by :math:`N` and drop the prior (see the module docstring).
-
-    References:
-        [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
-            arXiv:2210.01620
     """
 
     def __init__(

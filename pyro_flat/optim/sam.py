@@ -34,10 +34,10 @@ it runs, and BatchNorm running statistics left unchanged by the perturbed pass (
 ``disable_running_stats``).
 
 References:
-    [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-    [2] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-        Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    * [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    * [2] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
+      Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
 """
 
 from __future__ import annotations
@@ -72,12 +72,6 @@ class SAM(Optimizer):
     :math:`g_{\mathrm{SAM}}`.
 
     ``state_dict()`` holds the base optimizer's state as well (key ``"base_optimizer"``).
-
-    References:
-        [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-            Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-        [2] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-            Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
     """
 
     def __init__(

@@ -49,9 +49,9 @@ anchor). A selective outer ``poutine.block`` hides a site from the transform (no
     prediction (``bma_predict`` with ``batchnorm_inputs``).
 
 References:
-    [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
-    [2] `Entropy-SGD: Biasing Gradient Descent Into Wide Valleys`, Pratik Chaudhari et al. (ICLR 2017),
-        arXiv:1611.01838
+    * [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+    * [2] `Entropy-SGD: Biasing Gradient Descent Into Wide Valleys`, Pratik Chaudhari et al. (ICLR 2017),
+      arXiv:1611.01838
 """
 
 from __future__ import annotations

@@ -45,12 +45,12 @@ data itself and every other latent site is conditioned too, the way Pyro's HMC/N
 density at given latent values use :func:`~pyro_flat.infer.at_latent_values`.
 
 References:
-    [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
-        Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
-    [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-        Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-    [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-        Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
+      Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
+    * [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
+      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
+    * [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
+      Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
 """
 
 from __future__ import annotations

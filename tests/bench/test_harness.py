@@ -69,13 +69,14 @@ def test_summary_mean_and_std():
 
 def test_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["bench", "--methods", "map", "--epochs", "1", "--out", str(out), "--no-progress",
+    code = main(["bench", "--methods", "map", "sam", "--epochs", "1", "--out", str(out), "--no-progress",
                  "--set", "map.unused=1"])
     assert code == 0
     payload = json.loads((out / "results.json").read_text())
-    assert payload["records"][0]["method"] == "map"
+    assert [r["method"] for r in payload["records"]] == ["map", "sam"]
     assert payload["config"]["num_epochs"] == 1
     assert (out / "reliability_digits.png").stat().st_size > 1000
+    assert (out / "flat_vs_base_digits.png").stat().st_size > 1000  # sam against its base, map
     assert "| map |" in (out / "table.md").read_text()
 
 
@@ -102,3 +103,39 @@ def test_cli_list(capsys):
 def test_float64_run():
     record = run_one("map", "digits", 0, TINY.replace(num_epochs=1, dtype="float64"))
     assert record.test_probs.dtype == torch.float64
+
+
+def test_cli_version(capsys):
+    import pyro_flat
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pyro_flat {pyro_flat.__version__}"
+
+
+def test_cli_help_is_plain_text_and_explains_every_preset(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "`" not in text and ":class:" not in text and ":mod:" not in text  # no reST markup
+    for name, config in PRESETS.items():
+        assert f"  {name}  " in text
+        assert f"{config.num_epochs} epochs, {config.num_bma_samples} posterior draws" in text
+
+
+def _record(method, seed, acc):
+    return {"dataset": "digits", "method": method, "seed": seed, "fit_seconds": 1.0,
+            "metrics": {"acc": acc, "nll": 1 - acc, "ece": 0.1, "ood_auroc_entropy": 0.5, "lambda_max": 2.0}}
+
+
+def test_flat_vs_base_figure(tmp_path):
+    from pyro_flat.bench.report import flat_base_pairs, plot_flat_vs_base
+
+    assert flat_base_pairs(["map", "sam", "vi", "f_vi", "sgld"]) == [("sam", "map"), ("f_vi", "vi")]
+    records = [_record(m, s, a) for s in range(3) for m, a in (("map", 0.9), ("sam", 0.95), ("vi", 0.8))]
+    assert plot_flat_vs_base(tmp_path / "pairs.png", records, "digits")
+    assert (tmp_path / "pairs.png").stat().st_size > 1000
+    # no flat method whose base ran: nothing is written
+    assert not plot_flat_vs_base(tmp_path / "none.png", [r for r in records if r["method"] != "map"], "digits")
+    assert not (tmp_path / "none.png").exists()

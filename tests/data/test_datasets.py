@@ -48,7 +48,7 @@ def test_properties():
         ({"x_train": torch.arange(20)[:, None].expand(20, 3)}, "x_train to be a floating-point tensor"),
         ({"x_train": torch.randn(20)}, r"x_train of shape \[n, \*features\]"),
         ({"x_test": torch.randn(7, 3, dtype=torch.float32)}, "share one dtype"),
-        ({"num_classes": 0}, "num_classes to be a positive int"),
+        ({"num_classes": 0}, "`num_classes` must be an int >= 1"),
     ],
 )
 def test_validation_errors(overrides, match):
@@ -100,9 +100,9 @@ def test_test_loader_in_order_with_last_batch():
     batches = list(data.test_loader(3))
     assert [len(x) for x, _ in batches] == [3, 3, 1]
     assert torch.equal(torch.cat([x for x, _ in batches]), data.x_test)
-    with pytest.raises(ValueError, match="batch_size to be a positive int"):
+    with pytest.raises(ValueError, match="`batch_size` must be an int >= 1"):
         data.test_loader(0)
-    with pytest.raises(ValueError, match="batch_size to be a positive int"):
+    with pytest.raises(ValueError, match="`batch_size` must be an int >= 1"):
         data.train_loader(2.5)
 
 
@@ -134,7 +134,7 @@ def test_subset_num_train_is_seeded():
         ({"classes": [3]}, r"labels in \[0, 3\)"),
         ({"classes": []}, "non-empty"),
         ({"num_train": 21}, "num_train <= 20"),
-        ({"num_train": 0}, "num_train to be a positive int"),
+        ({"num_train": 0}, "`num_train` must be an int >= 1"),
     ],
 )
 def test_subset_errors(kwargs, match):

@@ -78,7 +78,7 @@ def test_two_moons_matches_sklearn_without_noise():
 
 
 def test_two_moons_errors():
-    with pytest.raises(ValueError, match="num_data to be an int >= 2"):
+    with pytest.raises(ValueError, match="`num_data` must be an int >= 2"):
         two_moons(num_data=1)
     with pytest.raises(ValueError, match="noise to be a finite number >= 0"):
         two_moons(noise=-0.1)

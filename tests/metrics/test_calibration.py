@@ -176,7 +176,7 @@ def test_validation_errors(metric):
 @pytest.mark.parametrize("num_bins", [0, -3, 2.5, True, None])
 def test_num_bins_validation(num_bins):
     probs = torch.tensor([[0.2, 0.8], [0.6, 0.4]])
-    with pytest.raises(ValueError, match="`num_bins` must be an integer >= 1"):
+    with pytest.raises(ValueError, match="`num_bins` must be an int >= 1"):
         expected_calibration_error(probs, torch.tensor([1, 0]), num_bins)
 
 

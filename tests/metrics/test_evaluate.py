@@ -141,5 +141,5 @@ def test_validation_errors(problem):
         evaluate(bma_probs(logits), y, ood_predictions=torch.full((5, 3), 1 / 3))
     with pytest.raises(ValueError, match="`predictions` must sum to 1"):
         evaluate(torch.softmax(logits[0], -1) * 0.9, y)
-    with pytest.raises(ValueError, match="`num_bins` must be an integer >= 1"):
+    with pytest.raises(ValueError, match="`num_bins` must be an int >= 1"):
         evaluate(bma_probs(logits), y, num_bins=0)

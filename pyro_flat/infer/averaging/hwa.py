@@ -43,10 +43,10 @@ Usage (after a pretraining SVI run of ``guide``)::
     Predictive(model, guide=averaged, num_samples=30)(x_test)
 
 References:
-    [1] `Hyperparameters Weight Averaging in Bayesian Neural Networks`, Belhal Karimi, Ping Li (AABI 2020),
-        OpenReview QkMt2L5Uon6, HAL hal-03087352
-    [2] `Averaging Weights Leads to Wider Optima and Better Generalization`, Pavel Izmailov, Dmitrii Podoprikhin,
-        Timur Garipov, Dmitry Vetrov, Andrew Gordon Wilson (UAI 2018), arXiv:1803.05407
+    * [1] `Hyperparameters Weight Averaging in Bayesian Neural Networks`, Belhal Karimi, Ping Li (AABI 2020),
+      OpenReview QkMt2L5Uon6, HAL hal-03087352
+    * [2] `Averaging Weights Leads to Wider Optima and Better Generalization`, Pavel Izmailov, Dmitrii Podoprikhin,
+      Timur Garipov, Dmitry Vetrov, Andrew Gordon Wilson (UAI 2018), arXiv:1803.05407
 """
 
 from __future__ import annotations
@@ -59,16 +59,11 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoNormal
 from torch import Tensor
 
+from ..._validation import check_int
 from ...ops.moments import update_running_mean
 from ..autoguide.swag import AutoSWAG, SWAGCollector
 
 VARIANCE_RULES = ("means", "total", "scales")
-
-
-def _check_int(owner: str, name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}: `{name}` must be an int >= {low}, got {value!r}")
-    return value
 
 
 def cyclical_lr(step: int, cycle_length: int, lr_high: float, lr_low: float) -> float:
@@ -93,7 +88,7 @@ class CyclicalLR:
     """
 
     def __init__(self, cycle_length: int, low_ratio: float) -> None:
-        self.cycle_length = _check_int("CyclicalLR", "cycle_length", cycle_length, 1)
+        self.cycle_length = check_int(cycle_length, "cycle_length", owner="CyclicalLR")
         if isinstance(low_ratio, bool) or not isinstance(low_ratio, (int, float)) or not 0 < low_ratio <= 1:
             raise ValueError(f"CyclicalLR: `low_ratio` must be in (0, 1], got {low_ratio!r}")
         self.low_ratio = float(low_ratio)
@@ -196,8 +191,8 @@ class HWA:
     ) -> Callable[[int], None]:
         """A ``callback(step)`` to call after every SVI step ``step`` (0-based): steps ``scheduler`` (if given) and
         collects when ``step >= start`` and ``mod(step - start, cycle_length) == 0`` (Algorithm 1)."""
-        _check_int("HWA.callback", "cycle_length", cycle_length, 1)
-        _check_int("HWA.callback", "start", start, 0)
+        check_int(cycle_length, "cycle_length", owner="HWA.callback")
+        check_int(start, "start", minimum=0, owner="HWA.callback")
 
         def callback(step: int) -> None:
             if scheduler is not None:

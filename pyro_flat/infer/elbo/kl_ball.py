@@ -22,8 +22,8 @@ found by conjugate gradients on Fisher-vector products (automatic differentiatio
 every guide site, at the sampled values of its parents) for any other reparameterised guide.
 
 References:
-    [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
-        Hoyoon Byun, Jinho Kang, Yohan Jung, Jiyoung Jung, Kyungwoo Song (2024), arXiv:2406.15664
+    * [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
+      Hoyoon Byun, Jinho Kang, Yohan Jung, Jiyoung Jung, Kyungwoo Song (2024), arXiv:2406.15664
 """
 
 from __future__ import annotations
@@ -121,34 +121,14 @@ class KLBallELBO(Trace_ELBO):
     .. math:: \mathcal L(\phi) = -\log p\big(\mathcal D_B \mid f_{\phi+\delta^*}(\epsilon)\big)
         + \beta\,\big[\log q_\phi(f_\phi(\epsilon)) - \log p(f_\phi(\epsilon))\big]
 
-    (symbols in the module docstring): the data term at the perturbed guide :math:`\phi+\delta^*` and the KL/prior
-    term at :math:`\phi`, with the **same base noise** :math:`\epsilon`, the same minibatch (every subsampled plate of
-    the model and the guide) and the same dropout masks: the perturbed pass replays the first
-    (:mod:`pyro_flat.infer.replay`). :math:`\delta^*` is a constant, so the gradient is that of the data term at
-    :math:`\phi+\delta^*` applied at :math:`\phi`, as in SAM. It is ``Trace_ELBO`` run on these two traces, so
-    ``loss``, ``differentiable_loss`` and ``loss_and_grads`` agree; with ``radius=0`` and ``kl_weight=1`` it is
-    ``Trace_ELBO``, draw for draw. One step costs two model passes (forward and backward).
-
-    Directions (``direction``):
-
-    * ``"fisher"`` (default, the paper's update): :math:`\delta^*` above. :math:`F^{-1}g` is exact for ``AutoNormal``
-      and ``AutoDiagonalNormal``; for ``AutoLowRankMultivariateNormal`` (and
-      :class:`~pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal`) exact in the mean and the Fisher of the
-      augmented sampling process in the scale and factor, an upper bound of the true Fisher (whose factor block
-      vanishes at a zero factor), so :math:`\mathrm{KL}(q_{\phi+\delta^*}\|q_\phi)\le\gamma` to second order. Any other
-      guide (hand-written, ``AutoMultivariateNormal``, ``AutoGuideList``, amortised guides with ``pyro.module``
-      networks) uses conjugate gradients on :math:`(F+\lambda I)x=g` with Fisher-vector products from the analytic KL
-      divergences of its sites, :math:`\lambda` = ``cg_damping`` times the curvature along :math:`g`
-      (:func:`~pyro_flat.ops.fisher.conjugate_gradient`); ``fisher="autodiff"`` forces this path.
-    * ``"normalized_score"`` — **the variant of the authors' released code** (github.com/SungJun98/SA-BMA), not the
-      paper's update: :math:`\delta_k = \sqrt{2\gamma}\,s_k/\|s_k\|_2` per block :math:`k` of the score
-      :math:`s=\nabla_\phi\log q_\phi(\theta)` at the sampled :math:`\theta` (blocks: all means, all scales, all
-      factors of an autoguide; one block per parameter of any other guide). It ignores the loss: a random rather than
-      an adversarial perturbation, offered to reproduce the published numbers.
-
-    For a guide with fixed isotropic scale :math:`s` and only the mean learned, :math:`\delta^* = s\sqrt{2\gamma}\,
-    g/\|g\|_2`: SAM's normalised gradient with radius :math:`s\sqrt{2\gamma}`. Parameters held fixed
-    (``requires_grad=False``) are not part of :math:`\phi`; parameters of the *model* are never perturbed.
+    (symbols in the module docstring): the data term at the perturbed guide :math:`\phi+\delta^*`, the KL/prior term
+    at :math:`\phi`, with the same base noise, minibatch and dropout masks (the perturbed pass replays the first).
+    ``radius=0`` with ``kl_weight=1`` is ``Trace_ELBO``, draw for draw; a step costs two model passes.
+    ``direction="fisher"`` (default) is the paper's :math:`F^{-1}g` step: exact for ``AutoNormal`` and
+    ``AutoDiagonalNormal``, exact in the mean and a dominating Fisher in the scale and factor for the low-rank guides,
+    conjugate gradients on Fisher-vector products for any other guide (``fisher="autodiff"`` forces this).
+    ``direction="normalized_score"`` is the variant of the authors' released code: a per-block normalised score of
+    the guide, which ignores the loss. The SA-BMA page of the documentation has the maths.
 
     :param float radius: :math:`\gamma\ge0` in nats (required). With ``"normalized_score"`` every block moves by
         :math:`\sqrt{2\gamma}` in Euclidean norm (the code's ``rho``; its README uses 0.5, i.e. :math:`\gamma=0.125`).

@@ -53,6 +53,7 @@ from torch import Tensor
 from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
+from ..._validation import check_int
 from ..util import at_latent_values, is_latent_site
 from .schedules import StepSizeSchedule, as_schedule
 
@@ -187,12 +188,6 @@ def _check_temperature(value: object, owner: str) -> float:
     return float(value)
 
 
-def _check_int(value: object, name: str, owner: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}: expected {name} to be an int >= {minimum}, got {value!r}")
-    return value
-
-
 class StochasticGradientKernel(MCMCKernel):
     r"""Base class of the stochastic-gradient kernels: model/potential handling, schedules, thinning, divergence
     tracking and the bookkeeping :class:`SamplerState`. Subclasses implement :meth:`_transition`.
@@ -234,8 +229,8 @@ class StochasticGradientKernel(MCMCKernel):
         if not callable(init_strategy):
             raise ValueError(f"{owner}: expected init_strategy to be callable, got {init_strategy!r}")
         self.init_strategy = init_strategy
-        self.thinning = _check_int(thinning, "thinning", owner, 1)
-        self.divergence_check_every = _check_int(divergence_check_every, "divergence_check_every", owner, 1)
+        self.thinning = check_int(thinning, "thinning", owner=owner)
+        self.divergence_check_every = check_int(divergence_check_every, "divergence_check_every", owner=owner)
         self.potential_fn = potential_fn
         self.transforms: dict[str, Transform] | None = None if model is not None else {}
         self._user_initial_params: Params | None = None
@@ -283,7 +278,7 @@ class StochasticGradientKernel(MCMCKernel):
         :param kwargs: the model's keyword arguments (e.g. ``subsample_size=B``).
         """
         owner = type(self).__name__
-        self._warmup_steps = _check_int(warmup_steps, "warmup_steps", owner, 0)
+        self._warmup_steps = check_int(warmup_steps, "warmup_steps", minimum=0, owner=owner)
         if self.model is not None:
             init, potential, transforms = self._initialize_model(args, kwargs)
             self.potential_fn, self.transforms = potential, transforms

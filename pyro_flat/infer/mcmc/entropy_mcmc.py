@@ -67,35 +67,17 @@ class EntropyMCMC(SGLD):
     r"""Entropy-MCMC [1]: :class:`~pyro_flat.infer.mcmc.SGLD` on :func:`~pyro_flat.transforms.local_entropy`
     ``(model, eta)``, an :class:`~pyro.infer.mcmc.MCMCKernel` that samples from flat basins.
 
-    Target: the joint density of the latent sites and their anchors (sites ``f"{name}_anchor"``, with the site's
-    support) in the kernel's unconstrained coordinates :math:`z` (the sites) and :math:`u` (the anchors),
-
-    .. math:: p_T(z, u\mid\mathcal D) \propto \exp\Big(-\frac1T\Big[U(z) + \frac{\|z-u\|^2}{2\eta}\Big]\Big),
-
-    with :math:`U` the model's full-data potential (Jacobians included), :math:`\eta` the coupling variance and
-    :math:`T` the temperature (:func:`~pyro_flat.transforms.local_entropy`: the coupling lives in the unconstrained
-    coordinates, which for network weights are the weights). The sites' marginal is the tempered posterior; the
-    anchors' is that posterior convolved with :math:`\mathcal N(0, \eta T I)`, which flattens sharp modes. Both
-    blocks take the same SGLD step (:func:`~pyro_flat.ops.diffusions.langevin_step`), :math:`\tilde U` the minibatch
-    estimate:
+    Both the sites :math:`z` and their anchors :math:`u` (sites ``f"{name}_anchor"``, unconstrained coordinates)
+    take the SGLD step on :math:`U(z) + \|z-u\|^2/(2\eta)`:
 
     .. math::
         z' &= z - \varepsilon\big[\nabla\tilde U(z) + (z-u)/\eta\big] + \sqrt{2\varepsilon T}\,\xi_1, \\
         u' &= u - \varepsilon\,(u-z)/\eta + \sqrt{2\varepsilon T}\,\xi_2 .
 
-    The anchors start as copies of the sites. The potential is computed as :class:`CoupledPotential` (the original
-    model traced once per step, the coupling added analytically), which equals the transformed model's potential
-    exactly, so ``SGLD(local_entropy(model, eta))`` gives the same chain at the same seed, only slower. The coupling
-    pulls the anchors towards regions where the sites can move a lot (flat basins) and guides the sites there; within
-    a finite budget both concentrate in flat basins, although at stationarity the sites follow the exact posterior.
-
-    **The paper's hyperparameters.** The authors' code writes the loss as a mean over the :math:`N` training
-    points, with coupling :math:`\|\theta-\theta_a\|^2/(2\eta N)`, noise :math:`\sqrt{2\alpha T/N}` and learning rate
-    :math:`\alpha`. It is this kernel with the *same* :math:`\eta` and :math:`T` and ``step_size`` :math:`=\alpha/N`
-    (Pyro's subsampled plate gives the full-data scale). Their weight decay also acts on :math:`\theta_a`: pass
-    ``anchor_prior_scale`` :math:`=(N\,\mathrm{wd})^{-1/2}` to reproduce it. Defaults in their code: CIFAR-10
-    :math:`\eta=4\cdot10^{-4}`, :math:`T=10^{-4}`, :math:`\alpha` cyclical from 0.5; CIFAR-100
-    :math:`\eta=8\cdot10^{-3}`.
+    The sites' marginal is the tempered posterior, the anchors' that posterior smoothed by
+    :math:`\mathcal N(0, \eta T I)`. Same chain as ``SGLD(local_entropy(model, eta))`` at the same seed, faster (the
+    coupling is added analytically, :class:`CoupledPotential`). The SG-MCMC page of the documentation has the maths
+    and the mapping of the paper's hyperparameters (``step_size`` :math:`=\alpha/N`).
 
     :param model: a Pyro model with continuous latents and a subsampled data plate; exactly one of ``model`` and
         ``potential_fn``.
@@ -126,7 +108,7 @@ class EntropyMCMC(SGLD):
         logits = Predictive(model, posterior_samples=draws)(x_test)["logits"]
 
     References:
-        [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+        * [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
     """
 
     def __init__(

@@ -10,9 +10,10 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_median
 from torch import Tensor
 
+from ..._validation import check_int
 from ...ops.diffusions import coupling_grad, langevin_step, running_mean
 from ...transforms.local_entropy import _check_eta
-from .base import Params, StochasticGradientKernel, _check_int
+from .base import Params, StochasticGradientKernel
 from .schedules import StepSizeSchedule
 
 __all__ = ["EntropySGD"]
@@ -42,14 +43,9 @@ class EntropySGD(StochasticGradientKernel):
         x \leftarrow x - \lambda\,\frac{x-\mu}{\eta} + \sqrt{2\lambda T}\,\xi
         \quad(\text{Entropy-SGLD, } :class:`~pyro_flat.infer.mcmc.EntropySGLD`).
 
-    With the default :math:`\lambda=\eta` the Entropy-SGD outer step is :math:`x\leftarrow\mu`, as in the
-    Entropy-MCMC authors' re-implementation (their :math:`\eta_{out}\gamma = 1`), which also keeps the inner chain
-    running across transitions (``inner_start="continue"``); Chaudhari et al. restart it at :math:`x`
-    (``inner_start="outer"``). Each transition costs :math:`L` gradient evaluations. Entropy-SGD is an optimiser:
-    its "draws" follow the outer iterate, which does not sample a posterior.
-
-    **Mapping.** :math:`\gamma = 1/\eta` of [1]. In the Entropy-MCMC code (mean-loss scale, anchor period :math:`L =
-    20`, :math:`a = 0.25`) the same :math:`\eta` and :math:`T` are used with ``step_size`` :math:`=\alpha/N`.
+    Each transition costs :math:`L` gradient evaluations; the default :math:`\lambda=\eta` makes the outer step
+    :math:`x\leftarrow\mu` (the Entropy-MCMC authors' re-implementation; :math:`\gamma = 1/\eta` of [1]).
+    Entropy-SGD is an optimiser: its "draws" follow the outer iterate, which does not sample a posterior.
 
     :param model: a Pyro model (see :class:`~pyro_flat.infer.mcmc.SGLD`); exactly one of ``model`` and
         ``potential_fn``.
@@ -69,10 +65,10 @@ class EntropySGD(StochasticGradientKernel):
     :param int divergence_check_every: gradient steps between reads of the divergence record (default 100).
 
     References:
-        [1] `Entropy-SGD: Biasing Gradient Descent Into Wide Valleys`, Pratik Chaudhari, Anna Choromanska, Stefano
-            Soatto, Yann LeCun, Carlo Baldassi, Christian Borgs, Jennifer Chayes, Levent Sagun, Riccardo Zecchina
-            (ICLR 2017), arXiv:1611.01838
-        [2] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+        * [1] `Entropy-SGD: Biasing Gradient Descent Into Wide Valleys`, Pratik Chaudhari, Anna Choromanska, Stefano
+          Soatto, Yann LeCun, Carlo Baldassi, Christian Borgs, Jennifer Chayes, Levent Sagun, Riccardo Zecchina
+          (ICLR 2017), arXiv:1611.01838
+        * [2] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
     """
 
     outer_noise = False
@@ -105,7 +101,7 @@ class EntropySGD(StochasticGradientKernel):
         )
         owner = type(self).__name__
         self.eta = _check_eta(eta, owner)
-        self.num_inner_steps = _check_int(num_inner_steps, "num_inner_steps", owner, 1)
+        self.num_inner_steps = check_int(num_inner_steps, "num_inner_steps", owner=owner)
         if mean_weight is not None:
             ok = isinstance(mean_weight, (int, float)) and not isinstance(mean_weight, bool)
             if not ok or not 0 < mean_weight <= 1:

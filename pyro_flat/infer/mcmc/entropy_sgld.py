@@ -20,9 +20,9 @@ class EntropySGLD(EntropySGD):
     .. math:: x \leftarrow x - \lambda\,\frac{x-\mu}{\eta} + \sqrt{2\lambda T}\,\xi,\qquad\xi\sim\mathcal N(0,I),
 
     an SGLD step (:func:`~pyro_flat.ops.diffusions.langevin_step`) on :math:`-F` with the estimated gradient
-    :math:`(x-\mu)/\eta`, outer step size :math:`\lambda` (default :math:`\eta`: :math:`x \leftarrow \mu +
-    \sqrt{2\eta T}\,\xi`) and temperature :math:`T` (:math:`1/\tau` of [1]). Each transition costs :math:`L`
-    gradient evaluations. Parameters as for :class:`~pyro_flat.infer.mcmc.EntropySGD`.
+    :math:`(x-\mu)/\eta`, outer step size :math:`\lambda` (default :math:`\eta`, which gives
+    :math:`x \leftarrow \mu + \sqrt{2\eta T}\,\xi`) and temperature :math:`T` (:math:`1/\tau` of [1]). Each
+    transition costs :math:`L` gradient evaluations. Parameters as for :class:`~pyro_flat.infer.mcmc.EntropySGD`.
 
     .. warning:: Doubly biased: by the finite inner chain (:math:`\mu` is a noisy, finite-:math:`L` estimate of
         :math:`\mathbb E[x'\mid x]`) and by the unadjusted outer step.
@@ -31,9 +31,9 @@ class EntropySGLD(EntropySGD):
     their mean-loss scale; here the outer noise follows from SGLD on :math:`F` with step :math:`\lambda`.
 
     References:
-        [1] `Entropy-SGD optimizes the prior of a PAC-Bayes bound: Generalization properties of Entropy-SGD and
-            data-dependent priors`, Gintare Karolina Dziugaite, Daniel M. Roy (ICML 2018), arXiv:1712.09376
-        [2] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
+        * [1] `Entropy-SGD optimizes the prior of a PAC-Bayes bound: Generalization properties of Entropy-SGD and
+          data-dependent priors`, Gintare Karolina Dziugaite, Daniel M. Roy (ICML 2018), arXiv:1712.09376
+        * [2] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401
     """
 
     outer_noise = True

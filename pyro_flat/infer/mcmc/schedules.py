@@ -13,9 +13,9 @@ the end of every cycle. Steps are counted from the first warm-up step on; a kern
 :class:`ConstantStepSize`.
 
 References:
-    [1] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
-    [2] `Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning`, Ruqi Zhang, Chunyuan Li, Jianyi Zhang,
-        Changyou Chen, Andrew Gordon Wilson (ICLR 2020), arXiv:1902.03932
+    * [1] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
+    * [2] `Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning`, Ruqi Zhang, Chunyuan Li, Jianyi Zhang,
+      Changyou Chen, Andrew Gordon Wilson (ICLR 2020), arXiv:1902.03932
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ class SGHMC(StochasticGradientKernel):
         biased at a finite step size, like SGLD.
 
     References:
-        [1] `Stochastic Gradient Hamiltonian Monte Carlo`, Tianqi Chen, Emily B. Fox, Carlos Guestrin (ICML 2014),
-            arXiv:1402.4102
+        * [1] `Stochastic Gradient Hamiltonian Monte Carlo`, Tianqi Chen, Emily B. Fox, Carlos Guestrin (ICML 2014),
+          arXiv:1402.4102
     """
 
     def __init__(

@@ -13,19 +13,14 @@ class SGLD(StochasticGradientKernel):
     r"""Stochastic gradient Langevin dynamics (SGLD) [1], an :class:`~pyro.infer.mcmc.MCMCKernel` for
     :class:`~pyro.infer.MCMC` whose model draws its own minibatch.
 
-    Target: the tempered posterior :math:`p_T(z\mid\mathcal D) \propto \exp(-U(z)/T)` in the unconstrained
-    coordinates :math:`z` of the latent sites, :math:`U(z) = -\log p(x(z), \mathcal D) + \log|\det J|`. Each gradient
-    step :math:`t` draws a minibatch :math:`\mathcal B` inside the model's ``pyro.plate("data", N,
-    subsample_size=B)``, which gives the unbiased estimate :math:`\tilde U` (likelihood scaled by :math:`N/B`), and
-    moves (:func:`~pyro_flat.ops.diffusions.langevin_step`)
-
     .. math:: z_{t+1} = z_t - \varepsilon_t\,\nabla\tilde U(z_t) + \sqrt{2\varepsilon_t T}\,\xi_t,
         \qquad \xi_t\sim\mathcal N(0, I),
 
-    with :math:`\varepsilon_t` the step size at step :math:`t` (a constant or a
-    :class:`~pyro_flat.infer.mcmc.StepSizeSchedule`; with :class:`~pyro_flat.infer.mcmc.CyclicalStepSize` this is
-    cSGLD [2]) and :math:`T` the temperature. With :math:`T = 0` it is stochastic gradient descent on :math:`U`
-    (MAP). Papers that use the mean loss and a learning rate :math:`\alpha` have :math:`\varepsilon = \alpha/N`.
+    in the unconstrained coordinates :math:`z`, with :math:`\tilde U` the potential on the minibatch drawn inside the
+    model's ``pyro.plate("data", N, subsample_size=B)`` (likelihood scaled by :math:`N/B`); :math:`T = 1` targets the
+    posterior, :math:`T = 0` is SGD on the MAP objective, a mean-loss learning rate :math:`\alpha` is
+    :math:`\varepsilon = \alpha/N`, and a :class:`~pyro_flat.infer.mcmc.CyclicalStepSize` gives cSGLD [2]. There is
+    no Metropolis correction: the chain is biased at any finite step size (the SG-MCMC page of the documentation).
 
     :param model: a Pyro model with continuous latent sites whose likelihood sits in ``pyro.plate("data", N,
         subsample_size=B)`` (or a plate without subsampling for full-batch Langevin); exactly one of ``model`` and
@@ -38,10 +33,6 @@ class SGLD(StochasticGradientKernel):
     :param int thinning: gradient steps per draw after warm-up (default 1).
     :param int divergence_check_every: steps between reads of the divergence record (default 100).
 
-    .. warning:: There is no Metropolis correction: at a finite step size the chain is biased (on a Gaussian its
-        variance is inflated by :math:`1/(1-\varepsilon/(2\sigma^2))`, and minibatch noise adds :math:`O(\varepsilon)`;
-        pyro#1921). Decrease the step size (or use :class:`~pyro_flat.infer.mcmc.PolynomialDecay`) for accuracy.
-
     Example::
 
         model = BayesianMLP(64, 10)
@@ -51,9 +42,9 @@ class SGLD(StochasticGradientKernel):
         logits = Predictive(model, posterior_samples=mcmc.get_samples())(x_test)["logits"]
 
     References:
-        [1] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
-        [2] `Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning`, Ruqi Zhang, Chunyuan Li, Jianyi Zhang,
-            Changyou Chen, Andrew Gordon Wilson (ICLR 2020), arXiv:1902.03932
+        * [1] `Bayesian Learning via Stochastic Gradient Langevin Dynamics`, Max Welling, Yee Whye Teh (ICML 2011)
+        * [2] `Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning`, Ruqi Zhang, Chunyuan Li, Jianyi Zhang,
+          Changyou Chen, Andrew Gordon Wilson (ICLR 2020), arXiv:1902.03932
     """
 
     def _transition(self, params: Params) -> Params:

@@ -1,0 +1,16 @@
+"""The one integer check of the package: which argument, what was expected, what was given."""
+
+import pytest
+
+from pyro_flat._validation import check_int
+
+
+def test_check_int_accepts_ints_at_the_bound():
+    assert check_int(3, "k") == 3
+    assert check_int(0, "start", minimum=0) == 0
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.0, True, "3", None])
+def test_check_int_names_the_argument_and_the_bound(value):
+    with pytest.raises(ValueError, match=r"^HWA.callback: `k` must be an int >= 1, got "):
+        check_int(value, "k", owner="HWA.callback")
