@@ -10,10 +10,11 @@ from .models import (
     BayesianRegressor,
 )
 from .resnets import preresnet, resnet18, wide_resnet
-from .transfer import bayesian_transfer, replace_head
+from .transfer import SWAGFrozenSampler, bayesian_transfer, replace_head
 
 __all__ = [
     "NORM_LAYERS",
+    "SWAGFrozenSampler",
     "BayesianCNN",
     "BayesianClassifier",
     "BayesianMLP",
