@@ -14,6 +14,7 @@ import torch
 
 from ..data import ClassificationData
 from .config import RunConfig
+from .loop import atomic_write_text
 from .registry import METHODS
 from .runner import RunRecord
 
@@ -97,16 +98,48 @@ def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, comm
                 "fit_seconds": r.fit_seconds,
                 "metrics": r.metrics,
                 "losses": r.info.get("losses", []),
+                "epochs": r.entries,
             }
             for r in records
         ],
         "summary": summarise(records),
     }
-    path.write_text(json.dumps(payload, indent=1))
+    atomic_write_text(path, json.dumps(payload, indent=1))
 
 
-def plot_reliability(path: Path, records: Sequence[RunRecord], data: ClassificationData, num_bins: int = 15) -> None:
-    """One reliability diagram per method (first seed) for one dataset, side by side, saved as PNG."""
+def plot_curves(path: Path, records: Sequence[RunRecord]) -> None:
+    """The per-epoch mean training loss of every (method, seed) of one dataset (one line per training phase), as PNG;
+    nothing is written when no record has epoch entries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [r for r in records if any(e.get("loss") is not None for e in r.entries)]
+    if not curves:
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for r in curves:
+        for phase in dict.fromkeys(e["phase"] for e in r.entries):
+            points = [(e["epoch"], e["loss"]) for e in r.entries if e["phase"] == phase and e["loss"] is not None]
+            if points:
+                label = f"{r.method} s{r.seed}" + (f" p{phase}" if phase else "")
+                ax.plot(*zip(*points, strict=True), marker=".", label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mean training loss (per step)")
+    ax.set_yscale("symlog")
+    ax.set_title(curves[0].dataset)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_reliability(
+    path: Path, records: Sequence[RunRecord], data: ClassificationData | None = None, num_bins: int = 15
+) -> None:
+    """One reliability diagram per method (first seed) for one dataset, side by side, saved as PNG (the labels are
+    the records' ``test_labels``, or ``data.y_test``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +156,8 @@ def plot_reliability(path: Path, records: Sequence[RunRecord], data: Classificat
     cols = min(4, len(firsts))
     rows = math.ceil(len(firsts) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
-    y = data.y_test.cpu()
+    first = next(iter(firsts.values()))
+    y = (first.test_labels if data is None else data.y_test).cpu()
     for ax, (method, r) in zip(axes.flat, firsts.items(), strict=False):
         reliability_diagram(r.test_probs, y, num_bins=num_bins, ax=ax, label=method)
         ax.set_title(f"{r.dataset}: {method}")

@@ -290,7 +290,8 @@ def write_synthetic_cifar(
     ``test_batch``, ``batches.meta``) or CIFAR-100 (``cifar-100-python/train``, ``test``, ``meta``) holding random
     32x32 images — for smoke runs and tests of the whole pipeline without the real data (nothing is downloaded).
 
-    Every image is uniform noise plus a colour offset of its class, so a network can learn a little from it.
+    Every image is uniform noise plus a colour offset of its class, so a network can learn a little from it; the
+    classes are balanced (as even as ``num_train`` and ``num_test`` allow).
 
     :param root: the dataset root (what ``--data-root`` receives).
     :param name: ``"cifar10"`` or ``"cifar100"``.
@@ -306,7 +307,7 @@ def write_synthetic_cifar(
     colours = rng.integers(-60, 61, size=(num_classes, 3))
 
     def batch(n: int) -> tuple[np.ndarray, list[int]]:
-        labels = rng.integers(0, num_classes, size=n)
+        labels = rng.permutation(np.arange(n) % num_classes)  # balanced: every class as often as n allows
         noise = rng.integers(0, 196, size=(n, 3, 1024))
         images = np.clip(noise + 30 + colours[labels][:, :, None], 0, 255).astype(np.uint8).reshape(n, 3072)
         return images, labels.tolist()
