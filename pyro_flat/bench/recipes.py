@@ -89,6 +89,16 @@ def _cifar(model: str, epochs: int, **changes: Any) -> dict[str, Any]:
             "lambda_max_draws": 3, "lambda_max_points": 512, "lambda_max_iters": 20} | changes
 
 
+def _transfer(**changes: Any) -> dict[str, Any]:
+    """SA-BMA's transfer setting: torchvision's ResNet-18 with ImageNet weights, 10 shots per class, SGD (momentum
+    0.9, lr 0.05, cosine) for 150 epochs, batch 256 (the whole split), weight decay 5e-4 as the prior, BN + head
+    latent."""
+    return {"model": "resnet18_imagenet", "latent": "norm_and_head", "shots": 10, "num_epochs": 150,
+            "optimizer": "sgd", "momentum": 0.9, "lr": 5e-2, "lr_schedule": "cosine", "batch_size": 256,
+            "prior_scale": (100 * 5e-4) ** -0.5, "num_bma_samples": 30, "lambda_max_draws": 3,
+            "lambda_max_points": 100, "lambda_max_iters": 20} | changes
+
+
 SMOKE = {"num_epochs": 2, "batch_size": 20, "num_bma_samples": 2, "ensemble_size": 2, "lambda_max_draws": 1,
          "lambda_max_points": 16, "lambda_max_iters": 2}
 """The smoke preset's budget (with ``SMOKE_NETS`` and ``swa_start`` 0 it runs every method end to end)."""
@@ -174,19 +184,13 @@ _register(Recipe(
     SABMA,
     (
         Stage("source_swag", "ResNet-18 (ImageNet), all weights", ("cifar10",), ("swag",),
-              {"model": "resnet18_imagenet", "latent": "all", "shots": 10, "num_epochs": 150, "optimizer": "sgd",
-               "momentum": 0.9, "lr": 5e-2, "lr_schedule": "cosine", "batch_size": 256,
-               "prior_scale": (100 * 5e-4) ** -0.5, "num_bma_samples": 30, "lambda_max_draws": 1,
-               "lambda_max_points": 100, "lambda_max_iters": 10},
+              _transfer(latent="all", lambda_max_draws=1, lambda_max_iters=10),
               {"swag": {"swa_start": 76, "max_rank": 5, "save_swag": "{out}/source_swag.pt"}},
               smoke=SMOKE | {"shots": 2}, smoke_options={"swag": {"swa_start": 0, "max_rank": 5,
                                                                  "save_swag": "{out}/source_swag.pt"}}),
         Stage("transfer", "ResNet-18 (ImageNet), norm + head latent", ("cifar10",),
               ("map", "sam", "bsam", "vi_low_rank", "swag", "f_swag", "sa_bma", "sa_bma_score", "sgld", "emcmc"),
-              {"model": "resnet18_imagenet", "latent": "norm_and_head", "shots": 10, "num_epochs": 150,
-               "optimizer": "sgd", "momentum": 0.9, "lr": 5e-2, "lr_schedule": "cosine", "batch_size": 256,
-               "prior_scale": (100 * 5e-4) ** -0.5, "num_bma_samples": 30, "lambda_max_draws": 3,
-               "lambda_max_points": 100, "lambda_max_iters": 20},
+              _transfer(),
               {"sa_bma_score": {"radius": 0.5**2 / 2, "kl_weight": 0.0}, "swag": {"swa_start": 76, "max_rank": 5},
                "f_swag": {"swa_start": 76, "max_rank": 5}, "sgld": {"lr": 5e-2, "temperature": 1.0},
                "emcmc": {"lr": 5e-2, "temperature": 1.0, "eta": 1e-2}},
@@ -194,10 +198,7 @@ _register(Recipe(
               smoke_methods=("map", "sa_bma", "emcmc")),
         Stage("transfer_swag_backbone", "ResNet-18 (ImageNet), norm + head latent, frozen block ~ source SWAG",
               ("cifar10",), ("vi_low_rank", "sa_bma", "sa_bma_score"),
-              {"model": "resnet18_imagenet", "latent": "norm_and_head", "shots": 10, "num_epochs": 150,
-               "optimizer": "sgd", "momentum": 0.9, "lr": 5e-2, "lr_schedule": "cosine", "batch_size": 256,
-               "prior_scale": (100 * 5e-4) ** -0.5, "num_bma_samples": 30, "lambda_max_draws": 3,
-               "lambda_max_points": 100, "lambda_max_iters": 20},
+              _transfer(),
               {m: {"backbone_swag": "{out}/source_swag.pt"} for m in ("vi_low_rank", "sa_bma")}
               | {"sa_bma_score": {"radius": 0.5**2 / 2, "kl_weight": 0.0, "backbone_swag": "{out}/source_swag.pt"}},
               smoke=SMOKE | {"shots": 2}, smoke_methods=("sa_bma_score",)),

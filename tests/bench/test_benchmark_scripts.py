@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
         ("bsam_two_moons.py", ["--epochs", "2", "--samples", "2", "--out", "{tmp}"], "bSAM"),
         ("entropy_mcmc_constrained.py", ["--smoke", "--out", "{tmp}/emc.md"], "Entropy-MCMC (anchors)"),
         ("memory.py", ["--draws", "2", "--warmup", "1", "--out", "{tmp}/memory.md"], "StreamingBMA"),
+        ("memory_resnet.py", ["--batch", "2", "--steps", "1", "--swag-iterates", "2", "--swag-draws", "1", "--refresh",
+                              "2", "--test", "2", "--cells", "SWAG rank 20", "--out", "{tmp}/m.md"], "SWAG rank 20"),
+        ("scale_costs.py", ["--batch", "8", "--repeats", "1", "--methods", "map", "--out", "{tmp}/s.md"],
+         "Estimated GPU hours"),
         ("trajectory_paired.py", [str(ROOT / "results" / "trajectory" / "results.json")], "Paired differences"),
     ],
 )

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pyro_flat.bench import METHODS
+from pyro_flat.bench import methods as _registered  # noqa: F401  (fills METHODS)
 from pyro_flat.bench.cli import main
 from pyro_flat.bench.recipes import RECIPES, recipe_table, stage_setup
 from pyro_flat.data import write_synthetic_cifar
