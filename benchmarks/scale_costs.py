@@ -4,7 +4,7 @@ Measured here (one thread, float32, random CIFAR-format images): the seconds of 
 each recipe network at ``--batch`` images, and of one harness step of each recipe method on the CIFAR ResNet-18 at
 the same batch (the method's own training loop, timed by the harness's per-epoch log over the second and third
 epochs). Their ratio is the method's cost in plain SGD steps; the harness's overhead per step (Pyro's tracing,
-Python) is measured on a width-2 ResNet-18 with 2 images, where the arithmetic is negligible.
+Python) is measured on a width-2 ResNet-18 with 8 images, where the arithmetic is negligible.
 
 **The estimate** (not a measurement: no GPU here). One GPU step of a method costs ``ratio x t_SGD + overhead``, with
 ``t_SGD`` the SGD step of the network at the recipe's batch on one A100-class GPU, assumed from a throughput of
@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> str:
             print(f"{method}: {cost[method]:.2f} s per step ({cost[method] / (sgd['ResNet-18'] * args.batch):.2f} x "
                   "SGD)", flush=True)
         small = Path(tmp) / "small"
-        write_synthetic_cifar(small, num_train=4, num_test=4)
+        write_synthetic_cifar(small, num_train=16, num_test=4)
         for method in args.methods:
-            overhead[method] = harness_seconds(method, small, 2, width=2)
+            overhead[method] = harness_seconds(method, small, 8, width=2)
     ratio = {m: cost[m] / (sgd["ResNet-18"] * args.batch) for m in args.methods}
     t_image = 1 / args.gpu_images_per_second  # s per image of a ResNet-18 SGD step on the GPU (assumed)
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> str:
     lines += [
         "",
         f"Harness step of each method on the CIFAR ResNet-18 (every weight latent, batch {args.batch}; "
-        "bSAM and SAM-SGD with 8 sub-batches) and the harness's per-step overhead (width-2 ResNet-18, 2 images):",
+        "bSAM and SAM-SGD with 8 sub-batches) and the harness's per-step overhead (width-2 ResNet-18, 8 images):",
         "",
         "| method | s per step | x torch SGD step | overhead (ms per step) |",
         "|---|---:|---:|---:|",

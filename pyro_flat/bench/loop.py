@@ -229,6 +229,17 @@ def _set_random_state(state: Mapping) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _to_device(obj: object, device: torch.device) -> object:
+    """``obj`` (nested dicts, lists and tuples) with its tensors moved to ``device``."""
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
 def _floating_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
     if isinstance(obj, Tensor):
         if obj.is_floating_point():
@@ -271,10 +282,11 @@ class DrawStore:
 
     :param directory: where the draw files go (``None``: the checkpoints hold the draws themselves).
     :param writer: whether this process writes files.
+    :param device: where draws read back from the files go.
     """
 
-    def __init__(self, directory: Path | None, *, writer: bool = True) -> None:
-        self.directory, self.writer = directory, writer
+    def __init__(self, directory: Path | None, *, writer: bool = True, device: torch.device | None = None) -> None:
+        self.directory, self.writer, self.device = directory, writer, device
         self.draws: list[dict[str, Tensor]] = []
         if directory is not None and writer:
             Path(directory).mkdir(parents=True, exist_ok=True)
@@ -294,7 +306,8 @@ class DrawStore:
         if "draws" in state:
             self.draws = list(state["draws"])
         else:
-            self.draws = [torch.load(self._path(k), weights_only=True) for k in range(state["count"])]
+            self.draws = [torch.load(self._path(k), map_location=self.device, weights_only=True)
+                          for k in range(state["count"])]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -488,12 +501,14 @@ class TrainingLoop:
         if missing:
             raise ValueError(f"{self.problem.context.label}: the checkpoint of phase {self.phase} holds "
                              f"{sorted(saved['state'])}, the method now has {sorted(self.state)}")
+        state = _to_device(saved["state"], self.problem.data.device)  # checkpoints are read onto the CPU
         for name, obj in self.state.items():
-            _set_state(obj, saved["state"][name])
+            _set_state(obj, state[name])
         self.stream.load_state_dict(saved["stream"])
         _set_random_state(saved["rng"])
         self.history = list(saved["history"])
-        self._epoch_sum, self._epoch_count = saved["epoch_sum"], saved["epoch_count"]
+        self._epoch_sum = _to_device(saved["epoch_sum"], self.problem.data.device)
+        self._epoch_count = saved["epoch_count"]
         self.problem.context.entries[:] = saved["entries"]
         return saved["step"]
 

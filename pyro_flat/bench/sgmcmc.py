@@ -94,7 +94,8 @@ def run_sgmcmc(
     chain = Holder(kernel.initial_params)
     names = kernel.save_params
     ctx = problem.context
-    draws = DrawStore(None if ctx.directory is None else ctx.directory / "draws", writer=ctx.is_writer)
+    draws = DrawStore(None if ctx.directory is None else ctx.directory / "draws", writer=ctx.is_writer,
+                      device=problem.data.device)
     loop = problem.loop(num_steps, {"model": model, "kernel": kernel, "chain": chain, "draws": draws}, name="kernel")
     is_draw = set(draw_steps)
     for step, (args, kwargs) in loop:

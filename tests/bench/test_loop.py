@@ -98,13 +98,8 @@ class _Killed(Exception):
     pass
 
 
-@pytest.mark.parametrize("method, kill_at", [("ensemble", 47), ("f_swag", 17), ("csgld", 23), ("bsam", 11)])
-def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, monkeypatch):
-    """The other families of state (ensemble members: phases; SAM/bSAM: torch optimizers, schedules, a SWAG
-    collector; cSGLD: a cyclical kernel), interrupted by an exception at a step instead of a kill."""
-    config = TINY.replace(num_epochs=4, ensemble_size=2)
-    reference = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "a",
-                              checkpoint_every=3)[0]
+def _interrupt_at(step: int, monkeypatch) -> None:
+    """Make the harness's loops raise ``_Killed`` at their ``step``-th step overall (across phases)."""
     from pyro_flat.bench import loop
 
     steps, original = [0], loop.TrainingLoop.__iter__
@@ -112,11 +107,21 @@ def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, mo
     def interrupted(self):
         for item in original(self):
             steps[0] += 1
-            if steps[0] == kill_at:
+            if steps[0] == step:
                 raise _Killed
             yield item
 
     monkeypatch.setattr(loop.TrainingLoop, "__iter__", interrupted)
+
+
+@pytest.mark.parametrize("method, kill_at", [("ensemble", 47), ("f_swag", 17), ("csgld", 23), ("bsam", 11)])
+def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, monkeypatch):
+    """The other families of state (ensemble members: phases; SAM/bSAM: torch optimizers, schedules, a SWAG
+    collector; cSGLD: a cyclical kernel), interrupted by an exception at a step instead of a kill."""
+    config = TINY.replace(num_epochs=4, ensemble_size=2)
+    reference = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "a",
+                              checkpoint_every=3)[0]
+    _interrupt_at(kill_at, monkeypatch)
     with pytest.raises(_Killed):
         run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
                       checkpoint_every=3)
@@ -124,6 +129,25 @@ def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, mo
     resumed = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
                             resume=True)[0]
     assert resumed.metrics == reference.metrics and torch.equal(resumed.test_probs, reference.test_probs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method, kill_at", [("hwa", 33), ("emcmc", 23), ("f_swag", 17)])
+def test_resume_on_a_gpu(method, kill_at, tmp_path, monkeypatch):
+    """Checkpoints are read onto the CPU and their tensors moved back to the run's device (CUDA kernels may not be
+    deterministic: the resumed metrics are compared to a tolerance)."""
+    config = TINY.replace(num_epochs=4, device="cuda")
+    reference = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "a",
+                              checkpoint_every=3)[0]
+    _interrupt_at(kill_at, monkeypatch)
+    with pytest.raises(_Killed):
+        run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
+                      checkpoint_every=3)
+    monkeypatch.undo()
+    resumed = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
+                            resume=True)[0]
+    for key, value in reference.metrics.items():
+        assert resumed.metrics[key] == pytest.approx(value, rel=1e-3, abs=1e-4), key
 
 
 def test_resume_refuses_another_configuration(tmp_path):
