@@ -174,8 +174,8 @@ _register(Recipe(
         "diagonal variants at 0.2 (the logs' evaluation scales), rho 0.05 (C10) / 0.1 (C100), dropout 0.05, 3 "
         "ensemble members, BatchNorm refreshed per SWAG draw.",
     ),
-    "≈ 430 GPU-hours on one A100-class GPU for the 48 jobs (1 seed): WRN-28-10 ≈ 370, ResNet-18 ≈ 60 (an estimate "
-    "from measured CPU step costs, see docs/scale.md)",
+    "≈ 370 GPU-hours on one A100-class GPU for the 48 jobs, 1 seed (WRN-28-10 ≈ 290, ResNet-18 ≈ 85): an estimate "
+    "from measured CPU step costs and an assumed GPU throughput, benchmarks/results/scale_costs.md",
 ))
 
 _register(Recipe(
@@ -221,7 +221,8 @@ _register(Recipe(
         "Pass the ImageNet weights with --pretrained FILE (torchvision's resnet18 state dict, e.g. "
         "resnet18-f37072fd.pth); nothing is downloaded.",
     ),
-    "≈ 1 GPU-hour (3 seeds: 100 images, 150 one-step epochs per method; an estimate)",
+    "under 0.1 GPU-hour per seed (100 images, 150 one-step epochs per method: minutes; an estimate, "
+    "benchmarks/results/scale_costs.md)",
     seeds=3,
     needs_pretrained=True,
 ))
@@ -254,7 +255,8 @@ _register(Recipe(
         "warm-up, then cosine), prior precision 25 (weight decay 25/N); bSAM as in its README (lr 0.5, beta2 0.999, "
         "damping 0.1, rho 0.01, 8 sub-batches, N_eff = 4N, prior precision 40, cosine), 32 posterior draws.",
     ),
-    "≈ 25 GPU-hours on one A100-class GPU (3 methods, 1 seed; SAM and bSAM cost 2 passes per step; an estimate)",
+    "≈ 12 GPU-hours on one A100-class GPU (3 methods, 1 seed; SAM-SGD and bSAM take 2 passes of 8 sub-batches per "
+    "step; an estimate, benchmarks/results/scale_costs.md)",
 ))
 
 _register(Recipe(
@@ -287,7 +289,7 @@ _register(Recipe(
         "theta and theta_a at the last 2 epochs of each cycle (16 models), cSGLD (their SGLD baseline) 4 draws per "
         "cycle; sgld is our constant-step SGLD (lr 0.1, burn-in half).",
     ),
-    "≈ 10 GPU-hours on one A100-class GPU (3 methods, 1 seed; an estimate)",
+    "≈ 3 GPU-hours on one A100-class GPU (3 methods, 1 seed; an estimate, benchmarks/results/scale_costs.md)",
 ))
 
 _register(Recipe(
@@ -307,7 +309,7 @@ _register(Recipe(
         "for 100 more, averaging the guide at the end of each cycle; vi is 200 epochs at a constant rate, "
         "vi_cyclical the last iterate of HWA's trajectory.",
     ),
-    "≈ 12 GPU-hours on one A100-class GPU (4 methods, 1 seed; an estimate)",
+    "≈ 8 GPU-hours on one A100-class GPU (4 methods, 1 seed; an estimate, benchmarks/results/scale_costs.md)",
 ))
 
 
