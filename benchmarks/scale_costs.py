@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
     parser.add_argument("--gpu-images-per-second", type=float, default=10_000.0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale_costs.md"))
     args = parser.parse_args(argv)
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> str:
 
     torch.set_num_threads(1)
     sgd = {}
-    for name, (model, arch) in NETWORKS.items():
+    for name in args.networks:
+        model, arch = NETWORKS[name]
         batch = args.batch if model != "wrn" else max(1, args.batch // 4)
         sgd[name] = torch_sgd_seconds(model, arch, batch, args.repeats) / batch  # per image
         print(f"torch SGD {name}: {1000 * sgd[name]:.1f} ms per image", flush=True)
