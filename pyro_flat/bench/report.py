@@ -108,8 +108,9 @@ def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, comm
 
 
 def plot_curves(path: Path, records: Sequence[RunRecord]) -> None:
-    """The per-epoch mean training loss of every (method, seed) of one dataset (one line per training phase), as PNG;
-    nothing is written when no record has epoch entries."""
+    """The per-epoch mean training loss of one dataset's runs, one panel per method (the methods' losses have
+    different scales: full-data ELBOs, mean losses) with a line per seed and training phase, as PNG; nothing is
+    written when no record has epoch entries."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,20 +119,24 @@ def plot_curves(path: Path, records: Sequence[RunRecord]) -> None:
     curves = [r for r in records if any(e.get("loss") is not None for e in r.entries)]
     if not curves:
         return
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for r in curves:
-        for phase in dict.fromkeys(e["phase"] for e in r.entries):
-            points = [(e["epoch"], e["loss"]) for e in r.entries if e["phase"] == phase and e["loss"] is not None]
-            if points:
-                label = f"{r.method} s{r.seed}" + (f" p{phase}" if phase else "")
-                ax.plot(*zip(*points, strict=True), marker=".", label=label)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("mean training loss (per step)")
-    ax.set_yscale("symlog")
-    ax.set_title(curves[0].dataset)
-    ax.legend(fontsize=7, ncol=2)
+    methods = list(dict.fromkeys(r.method for r in curves))
+    cols = min(4, len(methods))
+    rows = math.ceil(len(methods) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    for ax, method in zip(axes.flat, methods, strict=False):
+        for r in (r for r in curves if r.method == method):
+            for phase in dict.fromkeys(e["phase"] for e in r.entries):
+                points = [(e["epoch"], e["loss"]) for e in r.entries if e["phase"] == phase and e["loss"] is not None]
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker=".", label=f"seed {r.seed}, phase {phase}")
+        ax.set_title(method, fontsize=9)
+        ax.set_xlabel("epoch", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(methods) :]:
+        ax.axis("off")
+    fig.suptitle(f"{curves[0].dataset}: mean training loss per step, by epoch", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
