@@ -43,6 +43,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._validation import check_int
+
 __all__ = ["HostSync", "HostSyncCounter"]
 
 _SCALAR_READ = torch.ops.aten._local_scalar_dense.default
@@ -133,8 +135,7 @@ class HostSyncCounter:
     """
 
     def __init__(self, depth: int = 3) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"HostSyncCounter: expected depth to be an int >= 0, got {depth!r}")
+        check_int(depth, "depth", minimum=0, owner="HostSyncCounter")
         self.depth = depth
         self.syncs: list[HostSync] = []
         self._modes: list[tuple[_FunctionLevel, _DispatchLevel]] = []

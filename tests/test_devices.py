@@ -106,7 +106,7 @@ def test_host_sync_counter_ignores_device_side_work_and_same_device_moves():
     assert syncs.count == 1
     syncs.reset()
     assert syncs.count == 0
-    with pytest.raises(ValueError, match="expected depth to be an int >= 0"):
+    with pytest.raises(ValueError, match="HostSyncCounter: `depth` must be an int >= 0"):
         HostSyncCounter(depth=-1)
 
 

@@ -1,9 +1,16 @@
-"""Command line of the comparison harness: ``python -m pyro_flat bench ...`` and ``python -m pyro_flat list``."""
+"""Command line of the comparison harness: ``python -m pyro_flat bench ...``, ``python -m pyro_flat recipe ...`` and
+``python -m pyro_flat list``.
+
+Under ``torchrun`` (``WORLD_SIZE`` set, even to 1) ``bench`` and ``recipe`` run data-parallel: one process per device
+(``cuda:LOCAL_RANK`` with NCCL for ``--device cuda``, gloo on CPU), each on its shard of every minibatch; rank 0
+writes the outputs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
 import shlex
 import sys
 import textwrap
@@ -11,14 +18,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import __version__
-from .config import PRESETS, RunConfig
-from .registry import DATASETS, METHODS, MODELS
+from .config import LATENT_CHOICES, PRESETS, RunConfig
+from .registry import METHODS, MODELS, dataset_names
+
+RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
+    "model": "model", "epochs": "num_epochs", "batch_size": "batch_size", "lr": "lr", "prior_scale": "prior_scale",
+    "bma_samples": "num_bma_samples", "device": "device", "dtype": "dtype", "norm": "norm", "depth": "depth",
+    "width": "width", "latent": "latent", "pretrained": "pretrained", "optimizer": "optimizer",
+    "lr_schedule": "lr_schedule", "data_root": "data_root", "shots": "shots", "num_workers": "num_workers",
+    "precision": "precision", "lambda_max_draws": "lambda_max_draws", "lambda_max_points": "lambda_max_points",
+    "lambda_max_iters": "lambda_max_iters",
+}
 
 DESCRIPTION = """\
-The pyro_flat comparison harness: trains every chosen method on every chosen dataset for each seed, then writes a
-markdown table (mean and std over seeds), results.json (every seed's metrics, the configuration, the environment),
-reliability diagrams and a figure of each flat method against its non-flat base. The presets are explained by
-python -m pyro_flat bench --help.
+The pyro_flat comparison harness. bench trains every chosen method on every chosen dataset for each seed, then writes a
+markdown table (mean and std over seeds), results.json (every seed's metrics, the configuration, the environment), a
+per-epoch log, learning curves, reliability diagrams and a figure of each flat method against its non-flat base; the
+presets are explained by python -m pyro_flat bench --help. recipe runs a seed paper's headline experiment and writes
+the paper's numbers beside ours. list shows the methods, datasets, models and recipes.
 """
 
 
@@ -54,48 +71,195 @@ def preset_help() -> str:
             lines.append(f"          ({purpose[name]})")
     lines += textwrap.wrap(shared, width=110, initial_indent="  ", subsequent_indent="          ",
                            break_on_hyphens=False)
-    return "\n".join([*lines, "--epochs, --model, --device, --dtype and --set override a preset."])
+    return "\n".join([*lines, "The flags below (--epochs, --model, --lr, --set, ...) override a preset."])
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags shared by ``bench`` and ``recipe``: architecture, data, optimisation, GPU knobs, checkpoints."""
+    group = parser.add_argument_group("model and data")
+    group.add_argument("--model", choices=sorted(MODELS), default=None, help="model builder (default: preset's)")
+    group.add_argument("--hidden", type=int, nargs="+", default=None, help="MLP hidden widths / CNN channels")
+    group.add_argument("--norm", choices=["batch", "group"], default=None, help="ResNet normalisation layers")
+    group.add_argument("--depth", type=int, default=None, help="PreResNet / WRN depth (20, 56, 164 / 28)")
+    group.add_argument("--width", type=int, default=None, help="ResNet-18 / PreResNet width, WRN widen factor")
+    group.add_argument("--latent", choices=LATENT_CHOICES, default=None, help="which ResNet weights are latent")
+    group.add_argument("--pretrained", default=None, metavar="FILE",
+                       help="torchvision resnet18 ImageNet weights (a state dict file) for resnet18_imagenet")
+    group.add_argument("--data-root", default=None, metavar="DIR",
+                       help="folder of the image datasets (cifar10, cifar100, svhn, mnist, fashionmnist)")
+    group.add_argument("--shots", type=int, default=None, help="training examples per class (few-shot)")
+    group.add_argument("--no-augment", action="store_true", help="no random crops/flips for image data")
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--epochs", type=int, default=None, help="override the preset's number of epochs")
+    group.add_argument("--batch-size", type=int, default=None)
+    group.add_argument("--lr", type=float, default=None, help="Adam's learning rate, or SGD's on the mean loss")
+    group.add_argument("--optimizer", choices=["adam", "sgd"], default=None)
+    group.add_argument("--lr-schedule", choices=["constant", "cosine"], default=None)
+    group.add_argument("--prior-scale", type=float, default=None)
+    group.add_argument("--bma-samples", type=int, default=None, help="posterior draws in the BMA")
+    group.add_argument("--lambda-max-draws", type=int, default=None, help="posterior draws at which λ_max is measured")
+    group.add_argument("--lambda-max-points", type=int, default=None, help="training points in λ_max's loss")
+    group.add_argument("--lambda-max-iters", type=int, default=None, help="power iterations for λ_max")
+    group.add_argument("--set", dest="options", type=_parse_option, action="append", default=[],
+                       metavar="METHOD.KEY=VALUE", help="per-method hyperparameter, e.g. f_vi.rho=0.1")
+    group = parser.add_argument_group("devices")
+    group.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: preset's)")
+    group.add_argument("--dtype", choices=["float32", "float64"], default=None)
+    group.add_argument("--precision", choices=["float32", "bf16"], default=None,
+                       help="bf16: the network's forward pass under autocast (the objectives' algebra stays float32)")
+    group.add_argument("--channels-last", action="store_true", help="channels-last memory format (GPUs)")
+    group.add_argument("--num-workers", type=int, default=None, help="DataLoader workers for augmented images")
+    group = parser.add_argument_group("long runs")
+    group.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                       help="checkpoint every STEPS steps (0: only at the end of each training phase, and only with "
+                            "--checkpoint-every or --resume given); checkpoints go to OUT/checkpoints")
+    group.add_argument("--resume", action="store_true",
+                       help="continue a killed run from OUT/checkpoints, exactly where it stopped")
+    group.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import methods as _methods  # noqa: F401  (fills the registry)
+    from .recipes import RECIPES
 
     parser = argparse.ArgumentParser(prog="python -m pyro_flat", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pyro_flat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the registered methods (and the base of each flat one), datasets and models")
+    sub.add_parser("list", help="list the registered methods (and the base of each flat one), datasets, models and "
+                   "recipes")
     bench = sub.add_parser("bench", help="train and evaluate methods over datasets and seeds",
                            description="Train and evaluate methods over datasets and seeds.", epilog=preset_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--datasets", nargs="+", default=["digits"], metavar="NAME",
-                       help=f"datasets among {sorted(DATASETS)} (default: digits)")
+                       help=f"datasets among {dataset_names()} (default: digits)")
     bench.add_argument("--methods", nargs="+", default=["all"], metavar="NAME",
                        help="methods, or 'all' (default); python -m pyro_flat list shows them")
     bench.add_argument("--seeds", type=int, default=1, help="number of seeds, run as 0..n-1 (default 1)")
     bench.add_argument("--preset", choices=sorted(PRESETS), default="quick",
                        help="hyperparameter preset (default quick; see below)")
-    bench.add_argument("--model", choices=sorted(MODELS), default=None, help="model builder (default: preset's)")
-    bench.add_argument("--epochs", type=int, default=None, help="override the preset's number of epochs")
-    bench.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: preset's)")
-    bench.add_argument("--dtype", choices=["float32", "float64"], default=None)
-    bench.add_argument("--set", dest="options", type=_parse_option, action="append", default=[],
-                       metavar="METHOD.KEY=VALUE", help="per-method hyperparameter, e.g. f_vi.rho=0.1")
     bench.add_argument("--out", type=Path, default=Path("results/quick"), help="output folder (default results/quick)")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_run_arguments(bench)
+    recipe = sub.add_parser("recipe", help="a seed paper's headline experiment, with the paper's numbers beside ours")
+    recipe.add_argument("name", choices=sorted(RECIPES), help="the recipe (python -m pyro_flat list shows them)")
+    recipe.add_argument("--preset", choices=["paper", "smoke"], default="paper",
+                        help="paper: the paper's budget (GPU hours); smoke: tiny networks, a few steps (CI)")
+    recipe.add_argument("--seeds", type=int, default=None, help="number of seeds (default: the recipe's)")
+    recipe.add_argument("--out", type=Path, required=True, help="output folder")
+    _add_run_arguments(recipe)
     return parser
+
+
+def config_changes(args: argparse.Namespace) -> dict[str, object]:
+    """The ``RunConfig`` fields set on the command line."""
+    changes = {field: getattr(args, flag) for flag, field in RUN_ARGUMENTS.items() if getattr(args, flag) is not None}
+    if args.hidden is not None:
+        changes["hidden"] = tuple(args.hidden)
+    if args.no_augment:
+        changes["augment"] = False
+    if args.channels_last:
+        changes["channels_last"] = True
+    return changes
+
+
+def method_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    options: dict[str, dict[str, object]] = {}
+    for method, key, value in args.options:
+        if method not in METHODS:
+            parser.error(f"--set names unknown method {method!r}; known methods: {', '.join(METHODS)}")
+        options.setdefault(method, {})[key] = value
+    return options
+
+
+def init_distributed(config: RunConfig) -> RunConfig:
+    """Under ``torchrun``: initialise the process group once (NCCL on GPUs, gloo on CPU) and give each rank its
+    device (``cuda:LOCAL_RANK``)."""
+    import torch
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:  # not launched by torchrun
+        return config
+    cuda = config.device.startswith("cuda")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if not cuda:
+        return config
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return config.replace(device=f"cuda:{local_rank}")
+
+
+def run_and_report(
+    datasets: Sequence[str],
+    methods: Sequence[str],
+    seeds: int,
+    config: RunConfig,
+    out: Path,
+    args: argparse.Namespace,
+    command: str,
+) -> list:
+    """Run the jobs (checkpointed under ``out/checkpoints`` with ``--checkpoint-every``/``--resume``) and write the
+    table, JSON, per-epoch log, curves and reliability diagrams (rank 0)."""
+    import torch.distributed as dist
+
+    from .loop import atomic_write_text
+    from .problem import world
+    from .report import markdown_table, plot_curves, plot_flat_vs_base, plot_reliability, record_dict, write_json
+    from .runner import run_benchmark
+
+    rank = world()[0]
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    checkpoints = out / "checkpoints" if (args.checkpoint_every or args.resume) else None
+    records = run_benchmark(datasets, methods, list(range(seeds)), config, progress=not args.no_progress,
+                            checkpoint_dir=checkpoints, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                            metrics_log=out / "metrics.jsonl")
+    if dist.is_initialized():
+        dist.barrier()
+    if rank != 0:
+        return records
+    table = markdown_table(records)
+    print(table)
+    atomic_write_text(out / "table.md", f"`{command}`\n\n{table}\n")
+    write_json(out / "results.json", records, config, command)
+    for dataset in datasets:
+        chosen = [r for r in records if r.dataset == dataset]
+        plot_reliability(out / f"reliability_{dataset}.png", chosen)
+        plot_curves(out / f"curves_{dataset}.png", chosen)
+        plot_flat_vs_base(out / f"flat_vs_base_{dataset}.png", [record_dict(r) for r in chosen], dataset)
+    print(f"wrote {out}/table.md, results.json, metrics.jsonl, curves_*.png, reliability_*.png and flat_vs_base_*.png")
+    return records
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "list":
+        from .recipes import RECIPES
+
         print("methods:")
         for spec in METHODS.values():
             base = f"  (flat counterpart of {spec.baseline})" if spec.baseline else ""
             print(f"  {spec.name:<16} {spec.description}{base}")
-        print("datasets:", ", ".join(sorted(DATASETS)))
+        print("datasets:", ", ".join(dataset_names()))
         print("models:  ", ", ".join(sorted(MODELS)))
+        print("recipes:")
+        for recipe in RECIPES.values():
+            print(f"  {recipe.name:<22} {recipe.title}")
+        return 0
+    command = "python -m pyro_flat " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    options = method_options(parser, args)
+    if args.command == "recipe":
+        from .recipes import run_recipe
+
+        try:
+            run_recipe(args.name, args, config_changes(args), options, command)
+        except ValueError as err:
+            parser.error(str(err))
         return 0
 
     methods = list(METHODS) if args.methods == ["all"] else args.methods
@@ -103,37 +267,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name not in METHODS:
             parser.error(f"unknown method {name!r}; known methods: {', '.join(METHODS)} (or 'all')")
     for name in args.datasets:
-        if name not in DATASETS:
-            parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
-    if args.seeds < 1:
-        parser.error(f"--seeds must be >= 1, got {args.seeds}")
-    options: dict[str, dict[str, object]] = {}
-    for method, key, value in args.options:
-        if method not in METHODS:
-            parser.error(f"--set names unknown method {method!r}; known methods: {', '.join(METHODS)}")
-        options.setdefault(method, {})[key] = value
-    changes = {k: v for k, v in (("model", args.model), ("num_epochs", args.epochs), ("device", args.device),
-                                 ("dtype", args.dtype)) if v is not None}
+        if name not in dataset_names():
+            parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")
     try:
-        config = PRESETS[args.preset].replace(options=options, **changes)
+        config = PRESETS[args.preset].replace(options=options, **config_changes(args))
     except ValueError as err:
         parser.error(str(err))
-
-    from ..data import ClassificationData
-    from .registry import DATASETS as _DATASETS
-    from .report import markdown_table, plot_flat_vs_base, plot_reliability, record_dict, write_json
-    from .runner import run_benchmark
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m pyro_flat " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    records = run_benchmark(args.datasets, methods, list(range(args.seeds)), config, progress=not args.no_progress)
-    table = markdown_table(records)
-    print(table)
-    (args.out / "table.md").write_text(f"`{command}`\n\n{table}\n")
-    write_json(args.out / "results.json", records, config, command)
-    for dataset in args.datasets:
-        data: ClassificationData = _DATASETS[dataset](flatten=config.model != "cnn")
-        plot_reliability(args.out / f"reliability_{dataset}.png", [r for r in records if r.dataset == dataset], data)
-        plot_flat_vs_base(args.out / f"flat_vs_base_{dataset}.png", [record_dict(r) for r in records], dataset)
-    print(f"wrote {args.out}/table.md, results.json, reliability_*.png and flat_vs_base_*.png")
+    config = init_distributed(config)
+    try:
+        run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
+    finally:
+        _shutdown_distributed()
     return 0
+
+
+def _shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+

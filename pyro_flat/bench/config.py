@@ -7,17 +7,22 @@ from typing import Any
 
 import torch
 
+LATENT_CHOICES = ("all", "norm_and_head", "head")
+
 
 @dataclass(frozen=True)
 class RunConfig:
     """Shared hyperparameters of every method in a harness run.
 
-    :param model: model builder name (``"mlp"`` or ``"cnn"``).
+    :param model: model builder name (``"mlp"``, ``"cnn"``, ``"resnet18"``, ``"preresnet"``, ``"wrn"``,
+        ``"resnet18_imagenet"``; ``python -m pyro_flat list``).
     :param hidden: hidden widths (MLP) or conv channels (CNN).
     :param prior_scale: prior standard deviation of every weight, :math:`p(\\theta)=\\mathcal N(0, s^2 I)`.
     :param num_epochs: passes over the training set (steps = epochs x ceil(N / batch_size)).
-    :param batch_size: minibatch size :math:`B` (drawn inside the model by ``pyro.plate(subsample_size=B)``).
-    :param lr: Adam learning rate for the SVI/MAP-based methods.
+    :param batch_size: minibatch size :math:`B` (drawn inside the model by ``pyro.plate(subsample_size=B)`` for tensor
+        data, from a ``DataLoader`` for augmented images).
+    :param lr: learning rate of the SVI/MAP-based methods: Adam's, or with ``optimizer="sgd"`` the learning rate
+        :math:`\\alpha` of SGD on the *mean* loss (the step on Pyro's full-data loss is :math:`\\alpha/N`).
     :param num_bma_samples: posterior draws averaged for prediction (30, as in the F-BNN and SWAG code).
     :param ensemble_size: members of a deep ensemble.
     :param dropout: dropout probability of the MC-Dropout methods.
@@ -28,6 +33,25 @@ class RunConfig:
     :param lambda_max_iters: power iterations for :math:`\\lambda_{\\max}`.
     :param device: torch device of the run.
     :param dtype: ``"float32"`` or ``"float64"``.
+    :param norm: normalisation of the ResNets, ``"batch"`` or ``"group"``.
+    :param depth: depth of ``preresnet`` (20, 56, 164, ...; default 20) or ``wrn`` (default 28).
+    :param width: width of ``resnet18`` (first stage, default 64), ``preresnet`` (default 16) or ``wrn`` (the widen
+        factor, default 10).
+    :param latent: which weights of a ResNet are latent: ``"all"``, ``"norm_and_head"`` or ``"head"`` (the others are
+        learned point estimates, or frozen at the pretrained values with ``pretrained``).
+    :param pretrained: a file with torchvision ``resnet18`` ImageNet weights (a state dict) for
+        ``resnet18_imagenet``; the prior of the latent weights is then centred at them.
+    :param optimizer: ``"adam"`` or ``"sgd"`` (with ``momentum``) for the SVI/MAP-based methods.
+    :param momentum: SGD momentum.
+    :param lr_schedule: ``"constant"`` or ``"cosine"`` (from ``lr`` to 0 over each training phase).
+    :param data_root: folder of the image datasets (CIFAR-10/100, SVHN, MNIST, FashionMNIST).
+    :param augment: random crops and flips for image data (minibatches from a ``DataLoader``); without it image data
+        are used like tensor data (in-model subsampling).
+    :param shots: keep only this many training examples per class (few-shot transfer); ``None`` keeps all.
+    :param num_workers: ``DataLoader`` workers for augmented images (the batches do not depend on it).
+    :param precision: ``"float32"`` or ``"bf16"`` (the network's forward pass under ``torch.autocast``; the
+        objectives' algebra stays in ``dtype``).
+    :param channels_last: channels-last memory format for the network and its image inputs.
     :param options: per-method overrides, e.g. ``{"f_vi": {"rho": 0.1}}``; read with ``Problem.option``.
     """
 
@@ -46,6 +70,20 @@ class RunConfig:
     lambda_max_iters: int = 30
     device: str = "cpu"
     dtype: str = "float32"
+    norm: str = "batch"
+    depth: int | None = None
+    width: int | None = None
+    latent: str = "all"
+    pretrained: str | None = None
+    optimizer: str = "adam"
+    momentum: float = 0.9
+    lr_schedule: str = "constant"
+    data_root: str | None = None
+    augment: bool = True
+    shots: int | None = None
+    num_workers: int = 0
+    precision: str = "float32"
+    channels_last: bool = False
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +101,19 @@ class RunConfig:
             raise ValueError(f"RunConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"RunConfig.dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        choices = {"norm": ("batch", "group"), "latent": LATENT_CHOICES, "optimizer": ("adam", "sgd"),
+                   "lr_schedule": ("constant", "cosine"), "precision": ("float32", "bf16")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RunConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("depth", "width", "shots"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value > 0):
+                raise ValueError(f"RunConfig.{name} must be a positive int or None, got {value!r}")
+        if not (isinstance(self.num_workers, int) and self.num_workers >= 0):
+            raise ValueError(f"RunConfig.num_workers must be an int >= 0, got {self.num_workers!r}")
+        if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
+            raise ValueError(f"RunConfig.momentum must be in [0, 1), got {self.momentum!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -37,9 +37,11 @@ REFERENCE = "Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023)
 
 
 def sharpness_aware_loss(problem: Problem, method: str) -> SharpnessAwareELBO:
-    """The SA-ELBO with the method's ``rho`` and ``adaptive`` options (defaults 0.05 and ``False``)."""
+    """The SA-ELBO with the method's ``rho`` and ``adaptive`` options (defaults 0.05 and ``False``); data-parallel
+    runs all-reduce its ascent direction."""
     return SharpnessAwareELBO(
-        problem.option(method, "rho", DEFAULT_RHO), adaptive=problem.option(method, "adaptive", False)
+        problem.option(method, "rho", DEFAULT_RHO), adaptive=problem.option(method, "adaptive", False),
+        distributed=problem.distributed,
     )
 
 

@@ -8,50 +8,200 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyro
+import pyro.optim
 import torch
+import torch.distributed as dist
 from pyro.infer import SVI, Trace_ELBO
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..data import ClassificationData
+from ..data.images import VisionData
+from ..distributed import ddp_elbo
 from ..infer.predict import guide_draws, sample_draws
 from ..nn import BayesianClassifier
 from .config import RunConfig
+from .loop import LoaderStream, RunContext, TensorStream, TrainingLoop, stream_seed
 from .registry import MODELS, lookup
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world size)`` of the ``torch.distributed`` process group, ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class OptimSpec:
+    """The optimizer of a training phase, as a Pyro optimizer for ``SVI`` or a torch optimizer for a DDP loss.
+
+    :param cls: the torch optimizer class (``Adam`` or ``SGD``).
+    :param args: its arguments (``lr`` on the scale of the loss it will see).
+    :param lr_lambda: a multiplier of the learning rate per step (``LambdaLR``), or ``None``.
+    """
+
+    cls: type[torch.optim.Optimizer]
+    args: dict[str, Any]
+    lr_lambda: Callable[[int], float] | None = None
+
+    def pyro(self) -> pyro.optim.PyroOptim:
+        """A Pyro optimizer (a ``LambdaLR`` scheduler when there is a schedule: call its ``step()`` every step)."""
+        if self.lr_lambda is None:
+            return pyro.optim.PyroOptim(self.cls, dict(self.args))
+        return pyro.optim.LambdaLR({"optimizer": self.cls, "optim_args": dict(self.args), "lr_lambda": self.lr_lambda})
+
+    def torch(self, params: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR | None]:
+        """A torch optimizer over ``params`` and its ``LambdaLR`` (``None`` without a schedule)."""
+        optimizer = self.cls(params, **self.args)
+        if self.lr_lambda is None:
+            return optimizer, None
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_lambda)
+
+
+class CosineDecay:
+    """The multiplier :math:`\\frac12(1+\\cos(\\pi t/T))` of a cosine decay over ``num_steps`` :math:`T` (a class, so
+    that it pickles)."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = max(1, num_steps)
+
+    def __call__(self, step: int) -> float:
+        return 0.5 * (1 + math.cos(math.pi * min(step, self.num_steps) / self.num_steps))
+
+
+class LossModule(nn.Module):
+    """A loss ``fn(*args, **kwargs)`` as a module holding the modules whose parameters it trains — what
+    ``DistributedDataParallel`` wraps to all-reduce their gradients."""
+
+    def __init__(self, fn: Callable[..., Tensor], *modules: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.fn(*args, **kwargs)
 
 
 @dataclass
 class Problem:
-    """A dataset (already on the run's device and dtype) and the run's hyperparameters."""
+    """A dataset (already on the run's device and dtype), the run's hyperparameters, the job's seed and its
+    :class:`~pyro_flat.bench.loop.RunContext` (checkpoints, progress, logs)."""
 
     data: ClassificationData
     config: RunConfig
+    seed: int = 0
+    context: RunContext = field(default_factory=RunContext)
+
+    @property
+    def rank(self) -> int:
+        return world()[0]
+
+    @property
+    def world_size(self) -> int:
+        return world()[1]
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the run is data-parallel (a ``torch.distributed`` process group exists, e.g. under ``torchrun``,
+        even with one process): minibatches are then sharded and the losses wrapped in DDP."""
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def uses_loader(self) -> bool:
+        """Whether minibatches come from a ``DataLoader`` of augmented images (else from the tensors)."""
+        return isinstance(self.data, VisionData) and self.config.augment
+
+    @property
+    def batch_size(self) -> int:
+        return min(self.config.batch_size, self.data.num_data)
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(self.data.num_data / min(self.config.batch_size, self.data.num_data))
+        """Minibatches per pass over the training set (the last incomplete one is dropped when data-parallel)."""
+        if self.distributed:
+            return self.data.num_data // self.batch_size
+        return math.ceil(self.data.num_data / self.batch_size)
 
     @property
     def num_steps(self) -> int:
         """Optimisation steps of a method with the run's epoch budget."""
         return self.config.num_epochs * self.steps_per_epoch
 
-    @property
-    def batch_size(self) -> int:
-        return min(self.config.batch_size, self.data.num_data)
-
     def build_model(self, *, dropout: float = 0.0) -> BayesianClassifier:
-        """A fresh model of the run's architecture on the run's device and dtype."""
+        """A fresh model of the run's architecture on the run's device and dtype (memory format, autocast)."""
         build = lookup(MODELS, "model", self.config.model)
-        model = build(self.data, hidden=self.config.hidden, prior_scale=self.config.prior_scale, dropout=dropout)
-        return model.to(device=self.data.device, dtype=self.data.dtype)
+        model = build(self.data, self.config, dropout=dropout)
+        model = model.to(device=self.data.device, dtype=self.data.dtype)
+        if self.config.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.config.precision == "bf16":
+            model.autocast = torch.bfloat16
+        return model
 
     def option(self, method: str, name: str, default: Any) -> Any:
         """A per-method hyperparameter from ``config.options[method][name]``, else ``default``."""
         return self.config.options.get(method, {}).get(name, default)
 
-    def train_args(self) -> tuple[tuple[Tensor, Tensor], dict[str, int]]:
-        """``(args, kwargs)`` for a model step on a random minibatch drawn inside the model."""
+    def optim_spec(self, num_steps: int | None = None, *, mean_loss: bool = False) -> OptimSpec:
+        """The run's optimizer (``config.optimizer``, ``lr``, ``momentum``, ``lr_schedule``) for a phase of
+        ``num_steps`` (default ``num_steps``) steps. SGD's learning rate is ``lr / N`` on Pyro's full-data loss,
+        ``lr`` on a mean loss (``mean_loss=True``); Adam's is ``lr`` either way."""
+        config = self.config
+        if config.optimizer == "sgd":
+            lr = config.lr if mean_loss else config.lr / self.data.num_data
+            cls, args = torch.optim.SGD, {"lr": lr, "momentum": config.momentum}
+        else:
+            cls, args = torch.optim.Adam, {"lr": config.lr}
+        steps = self.num_steps if num_steps is None else num_steps
+        return OptimSpec(cls, args, CosineDecay(steps) if config.lr_schedule == "cosine" else None)
+
+    def stream(self, phase: int, *, explicit: bool = False) -> TensorStream | LoaderStream:
+        """The minibatch stream of training phase ``phase`` (see :mod:`pyro_flat.bench.loop`): ``explicit`` asks for
+        the minibatch itself even for tensor data (``num_data=N`` instead of in-model subsampling)."""
+        rank, world_size = world()
+        if self.uses_loader:
+            config = self.config
+            return LoaderStream(self.data, self.batch_size, stream_seed(self.seed, phase),
+                                num_workers=config.num_workers, channels_last=config.channels_last, rank=rank,
+                                world_size=world_size, drop_last=self.distributed)
+        return TensorStream(self.data, self.batch_size, explicit=explicit or self.distributed, rank=rank,
+                            world_size=world_size)
+
+    def loop(
+        self,
+        num_steps: int,
+        state: Mapping[str, object],
+        *,
+        explicit: bool = False,
+        prepare: Callable[..., object] | None = None,
+        log_every: int = 50,
+        name: str = "",
+    ) -> TrainingLoop:
+        """A checkpointed training phase of ``num_steps`` steps over this problem's minibatches (see
+        :class:`~pyro_flat.bench.loop.TrainingLoop`); ``state`` names everything the phase changes."""
+        return TrainingLoop(self, num_steps, state, lambda phase: self.stream(phase, explicit=explicit),
+                            prepare=prepare, log_every=log_every, name=name)
+
+    def setup_args(self) -> tuple[tuple[Tensor, Tensor], dict[str, int]]:
+        """The model's arguments to set a kernel up with: the whole training set with ``subsample_size=B`` for tensor
+        data in one process (what ``MCMC.run`` passes), else :meth:`first_batch`."""
+        if self.uses_loader or self.distributed:
+            return self.first_batch()
         return (self.data.x_train, self.data.y_train), {"subsample_size": self.batch_size}
+
+    def first_batch(self) -> tuple[tuple[Tensor, Tensor], dict[str, int]]:
+        """A small fixed batch (this rank's shard size of the first examples, ``num_data=N``) to create a guide's
+        parameters before training; draws no random number for the data."""
+        shard = self.batch_size // self.world_size
+        return (self.data.x_train[:shard], self.data.y_train[:shard]), {"num_data": self.data.num_data}
+
+    def data_parallel(self, module: nn.Module) -> nn.Module:
+        """``module`` wrapped in ``DistributedDataParallel`` when the run is data-parallel, else itself."""
+        if not self.distributed:
+            return module
+        device = self.data.device
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 @dataclass
@@ -105,36 +255,67 @@ def run_svi(
     guide: Callable,
     loss: pyro.infer.ELBO | None = None,
     *,
-    optim: pyro.optim.PyroOptim | None = None,
+    optim: OptimSpec | None = None,
     num_steps: int | None = None,
     callback: Callable[[int], None] | None = None,
     log_every: int = 50,
+    state: Mapping[str, object] | None = None,
 ) -> list[float]:
-    """Run ``num_steps`` (default ``problem.num_steps``) of Pyro's ``SVI`` on in-model minibatches.
+    """Run ``num_steps`` (default ``problem.num_steps``) SVI steps as one checkpointed phase.
 
-    :param loss: the ELBO (default ``Trace_ELBO()``).
-    :param optim: a Pyro optimiser (default ``Adam(lr=config.lr)``).
+    In one process this is Pyro's ``SVI`` with a Pyro optimizer (tensor data: in-model minibatches); data-parallel,
+    it is Pyro's ``ELBOModule`` in ``DistributedDataParallel`` (:func:`~pyro_flat.distributed.ddp_elbo`) with the same
+    torch optimizer, each rank on its shard.
+
+    :param loss: the ELBO (default ``Trace_ELBO()``; the flat ones with ``distributed=True`` when data-parallel).
+    :param optim: the optimizer (default ``problem.optim_spec()``); a schedule is stepped after every step.
     :param callback: called as ``callback(step)`` after every step (e.g. to collect SWAG iterates).
     :param log_every: keep every ``log_every``-th loss value.
+    :param state: further objects the callback changes (e.g. a SWAG collector), checkpointed with the phase.
     :returns: the kept loss values.
     :raises FloatingPointError: if the loss becomes NaN or infinite, naming the step.
     """
     loss = Trace_ELBO() if loss is None else loss
-    optim = pyro.optim.Adam({"lr": problem.config.lr}) if optim is None else optim
-    svi = SVI(model, guide, optim, loss)
-    args, kwargs = problem.train_args()
+    spec = problem.optim_spec(num_steps) if optim is None else optim
     num_steps = problem.num_steps if num_steps is None else num_steps
+    extra = dict(state or {})
     model.train()
-    history = []
-    for step in range(num_steps):
-        value = svi.step(*args, **kwargs)
-        if step % log_every == 0 or step == num_steps - 1:
-            if not math.isfinite(value):
-                raise FloatingPointError(f"SVI loss became {value} at step {step} of {num_steps}")
-            history.append(value)
+    if not problem.distributed:
+        optimizer = spec.pyro()
+        svi = SVI(model, guide, optimizer, loss)
+        loop = problem.loop(num_steps, {"model": model, "guide": guide, "optim": optimizer, **extra}, prepare=guide,
+                            log_every=log_every, name="svi")
+        for step, (args, kwargs) in loop:
+            loop.record(svi.step(*args, **kwargs))
+            if spec.lr_lambda is not None:
+                optimizer.step()
+            if callback is not None:
+                callback(step)
+        return loop.history
+    args, kwargs = problem.first_batch()
+    guide(*args, **kwargs)  # create the guide's parameters (the same on every rank: the ranks are seeded alike)
+    module = ddp_elbo(model, guide, loss, **_ddp_kwargs(problem))
+    optimizer, schedule = spec.torch(module.parameters())
+    objects = {"model": model, "guide": guide, "optim": optimizer, **extra}
+    if schedule is not None:
+        objects["schedule"] = schedule
+    loop = problem.loop(num_steps, objects, log_every=log_every, name="svi (DDP)")
+    for step, (args, kwargs) in loop:
+        optimizer.zero_grad()
+        value = module(*args, **kwargs)
+        value.backward()
+        optimizer.step()
+        loop.record(value.detach())
+        if schedule is not None:
+            schedule.step()
         if callback is not None:
             callback(step)
-    return history
+    return loop.history
+
+
+def _ddp_kwargs(problem: Problem) -> dict[str, Any]:
+    device = problem.data.device
+    return {"device_ids": [device.index]} if device.type == "cuda" else {}
 
 
 def to_device(data: ClassificationData, config: RunConfig) -> ClassificationData:

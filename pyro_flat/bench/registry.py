@@ -10,8 +10,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..data import ClassificationData, load_digits, load_mnist1d
-from ..nn import BayesianClassifier, BayesianCNN, BayesianMLP
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..data import VISION_DATASETS, ClassificationData, load_digits, load_mnist1d
+from ..data.images import load_vision_data
+from ..nn import (
+    BayesianClassifier,
+    BayesianCNN,
+    BayesianMLP,
+    bayesian_transfer,
+    make_bayesian,
+    preresnet,
+    resnet18,
+    wide_resnet,
+)
+from ..nn.resnets import norm_layer
+from .config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,27 @@ DATASETS: dict[str, Callable[..., ClassificationData]] = {
     "digits": load_digits,
     "mnist1d": load_mnist1d,
 }
+"""Bundled datasets ``load(flatten=...)``; the image datasets of :data:`~pyro_flat.data.VISION_DATASETS` are read
+from ``RunConfig.data_root`` by :func:`load_data`."""
+
+
+def dataset_names() -> list[str]:
+    """Every dataset the harness knows: the bundled ones and the image datasets read from a folder."""
+    return sorted(DATASETS) + list(VISION_DATASETS)
+
+
+def load_data(name: str, config: RunConfig) -> ClassificationData:
+    """The dataset ``name`` as the run's model needs it (flattened for an MLP), on the CPU in the run's dtype; image
+    datasets come from ``config.data_root`` (a :class:`~pyro_flat.data.VisionData`), reduced to ``config.shots``
+    examples per class if set."""
+    flatten = config.model not in CONV_MODELS
+    if name in VISION_DATASETS:
+        if config.data_root is None:
+            raise ValueError(f"dataset {name!r} is read from a local folder: pass its root (--data-root DIR)")
+        data = load_vision_data(name, config.data_root, flatten=flatten, dtype=config.torch_dtype)
+    else:
+        data = lookup(DATASETS, "dataset", name)(flatten=flatten)
+    return data if config.shots is None else data.few_shot(config.shots, seed=0)
 
 
 def register_method(
@@ -53,21 +90,95 @@ def register_method(
     return decorator
 
 
-def build_mlp(data: ClassificationData, *, hidden: tuple[int, ...], prior_scale: float, dropout: float) -> BayesianMLP:
-    """A :class:`~pyro_flat.nn.BayesianMLP` for ``data`` (inputs flattened)."""
+def build_mlp(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianMLP:
+    """A :class:`~pyro_flat.nn.BayesianMLP` for ``data`` (inputs flattened), hidden widths ``config.hidden``."""
     in_features = 1
     for s in data.input_shape:
         in_features *= s
-    return BayesianMLP(in_features, data.num_classes, hidden, prior_scale=prior_scale, dropout=dropout)
+    return BayesianMLP(in_features, data.num_classes, config.hidden, prior_scale=config.prior_scale, dropout=dropout)
 
 
-def build_cnn(data: ClassificationData, *, hidden: tuple[int, ...], prior_scale: float, dropout: float) -> BayesianCNN:
-    """A :class:`~pyro_flat.nn.BayesianCNN` for ``data`` (``hidden`` gives the conv channels)."""
-    return BayesianCNN(tuple(data.input_shape), data.num_classes, hidden, prior_scale=prior_scale, dropout=dropout)
+def build_cnn(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianCNN:
+    """A :class:`~pyro_flat.nn.BayesianCNN` for ``data`` (``config.hidden`` gives the conv channels)."""
+    return BayesianCNN(tuple(data.input_shape), data.num_classes, config.hidden, prior_scale=config.prior_scale,
+                       dropout=dropout)
 
 
-MODELS: dict[str, Callable[..., BayesianClassifier]] = {"mlp": build_mlp, "cnn": build_cnn}
-"""Model builders ``build(data, *, hidden, prior_scale, dropout)``; ``"cnn"`` needs unflattened inputs."""
+def _image_channels(data: ClassificationData) -> int:
+    if len(data.input_shape) != 3:
+        raise ValueError(f"the ResNets need image inputs [C, H, W], got input shape {tuple(data.input_shape)}")
+    return data.input_shape[0]
+
+
+def _bayesian(net: nn.Module, data: ClassificationData, config: RunConfig) -> BayesianClassifier:
+    """``net`` with ``config.latent`` weights latent under N(0, prior_scale^2) and the rest learned."""
+    if _sync_batchnorm():
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    return BayesianClassifier(make_bayesian(net, random=config.latent, prior_scale=config.prior_scale,
+                                            rest="learned"), data.num_classes)
+
+
+def _sync_batchnorm() -> bool:
+    """Data-parallel on GPUs: BatchNorm statistics over the global batch (SyncBatchNorm needs CUDA)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and torch.cuda.is_available()
+
+
+def build_resnet18(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianClassifier:
+    """ResNet-18 with the CIFAR stem (:func:`~pyro_flat.nn.resnet18`; ``width``, ``norm``, ``latent``)."""
+    net = resnet18(data.num_classes, width=config.width or 64, norm=config.norm, in_channels=_image_channels(data),
+                   dropout=dropout)
+    return _bayesian(net, data, config)
+
+
+def build_preresnet(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianClassifier:
+    """PreResNet-``depth`` (:func:`~pyro_flat.nn.preresnet`; ``depth`` default 20, ``width`` 16, ``norm``,
+    ``latent``)."""
+    net = preresnet(config.depth or 20, data.num_classes, width=config.width or 16, norm=config.norm,
+                    in_channels=_image_channels(data), dropout=dropout)
+    return _bayesian(net, data, config)
+
+
+def build_wrn(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianClassifier:
+    """WRN-``depth``-``width`` (:func:`~pyro_flat.nn.wide_resnet`; default 28-10, ``norm``, ``latent``)."""
+    net = wide_resnet(config.depth or 28, config.width or 10, data.num_classes, norm=config.norm,
+                      in_channels=_image_channels(data), dropout=dropout)
+    return _bayesian(net, data, config)
+
+
+def build_resnet18_imagenet(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianClassifier:
+    """torchvision's ``resnet18`` (ImageNet stem) for transfer: with ``pretrained`` its weights are read from that
+    file (a state dict; nothing is downloaded), a new head is made for the target classes and
+    :func:`~pyro_flat.nn.bayesian_transfer` makes ``latent`` (default for transfer: ``"norm_and_head"``) weights
+    latent around the pretrained values (prior scale ``prior_scale``, the new head's 1) and freezes the rest."""
+    import torchvision
+
+    if dropout > 0:
+        raise ValueError("resnet18_imagenet has no dropout layers (MC-Dropout needs a network with dropout)")
+    _image_channels(data)
+    net = torchvision.models.resnet18(num_classes=1000, norm_layer=norm_layer(config.norm))
+    if config.pretrained is not None:
+        if config.norm != "batch":
+            raise ValueError("the pretrained torchvision ResNet-18 has BatchNorm layers: use norm='batch'")
+        state = torch.load(config.pretrained, map_location="cpu", weights_only=True)
+        net.load_state_dict(state)
+    if _sync_batchnorm():
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    rest = "frozen" if config.pretrained is not None else "learned"
+    return bayesian_transfer(net, data.num_classes, random=config.latent, prior_scale=config.prior_scale,
+                             rest=rest, copy=False)
+
+
+MODELS: dict[str, Callable[..., BayesianClassifier]] = {
+    "mlp": build_mlp,
+    "cnn": build_cnn,
+    "resnet18": build_resnet18,
+    "preresnet": build_preresnet,
+    "wrn": build_wrn,
+    "resnet18_imagenet": build_resnet18_imagenet,
+}
+"""Model builders ``build(data, config, *, dropout)``; all but ``"mlp"`` need unflattened image inputs."""
+
+CONV_MODELS = frozenset(MODELS) - {"mlp"}
 
 
 def lookup(registry: dict, kind: str, name: str) -> object:

@@ -14,6 +14,7 @@ import torch
 
 from ..data import ClassificationData
 from .config import RunConfig
+from .loop import atomic_write_text
 from .registry import METHODS
 from .runner import RunRecord
 
@@ -81,7 +82,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def record_dict(r: RunRecord) -> dict[str, Any]:
-    """One seed's record as JSON: dataset, method, seed, fit time, metrics and training losses."""
+    """One seed's record as JSON: dataset, method, seed, fit time, metrics, training losses and per-epoch entries."""
     return {
         "dataset": r.dataset,
         "method": r.method,
@@ -89,6 +90,7 @@ def record_dict(r: RunRecord) -> dict[str, Any]:
         "fit_seconds": r.fit_seconds,
         "metrics": r.metrics,
         "losses": r.info.get("losses", []),
+        "epochs": r.entries,
     }
 
 
@@ -108,11 +110,47 @@ def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, comm
         "records": [record_dict(r) for r in records],
         "summary": summarise(records),
     }
-    path.write_text(json.dumps(payload, indent=1))
+    atomic_write_text(path, json.dumps(payload, indent=1))
 
 
-def plot_reliability(path: Path, records: Sequence[RunRecord], data: ClassificationData, num_bins: int = 15) -> None:
-    """One reliability diagram per method (first seed) for one dataset, side by side, saved as PNG."""
+def plot_curves(path: Path, records: Sequence[RunRecord]) -> None:
+    """The per-epoch mean training loss of one dataset's runs, one panel per method (the methods' losses have
+    different scales: full-data ELBOs, mean losses) with a line per seed and training phase, as PNG; nothing is
+    written when no record has epoch entries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [r for r in records if any(e.get("loss") is not None for e in r.entries)]
+    if not curves:
+        return
+    methods = list(dict.fromkeys(r.method for r in curves))
+    cols = min(4, len(methods))
+    rows = math.ceil(len(methods) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    for ax, method in zip(axes.flat, methods, strict=False):
+        for r in (r for r in curves if r.method == method):
+            for phase in dict.fromkeys(e["phase"] for e in r.entries):
+                points = [(e["epoch"], e["loss"]) for e in r.entries if e["phase"] == phase and e["loss"] is not None]
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker=".", label=f"seed {r.seed}, phase {phase}")
+        ax.set_title(method, fontsize=9)
+        ax.set_xlabel("epoch", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(methods) :]:
+        ax.axis("off")
+    fig.suptitle(f"{curves[0].dataset}: mean training loss per step, by epoch", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_reliability(
+    path: Path, records: Sequence[RunRecord], data: ClassificationData | None = None, num_bins: int = 15
+) -> None:
+    """One reliability diagram per method (first seed) for one dataset, side by side, saved as PNG (the labels are
+    the records' ``test_labels``, or ``data.y_test``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,7 +167,8 @@ def plot_reliability(path: Path, records: Sequence[RunRecord], data: Classificat
     cols = min(4, len(firsts))
     rows = math.ceil(len(firsts) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
-    y = data.y_test.cpu()
+    first = next(iter(firsts.values()))
+    y = (first.test_labels if data is None else data.y_test).cpu()
     for ax, (method, r) in zip(axes.flat, firsts.items(), strict=False):
         reliability_diagram(r.test_probs, y, num_bins=num_bins, ax=ax, label=method)
         ax.set_title(f"{r.dataset}: {method}")

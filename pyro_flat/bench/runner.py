@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import pyro
@@ -18,8 +19,9 @@ from ..metrics import evaluate, hessian_eigenvalues, model_loss_fn
 from ..nn import has_batchnorm, refresh_batchnorm
 from . import methods as _methods  # noqa: F401  (registers every method)
 from .config import RunConfig
-from .problem import Posterior, Problem, to_device
-from .registry import DATASETS, METHODS, lookup
+from .loop import RunContext, atomic_save, metrics_log_writer
+from .problem import Posterior, Problem, to_device, world
+from .registry import METHODS, dataset_names, load_data, lookup
 
 
 @dataclass
@@ -33,6 +35,8 @@ class RunRecord:
     fit_seconds: float
     info: dict[str, Any] = field(default_factory=dict)
     test_probs: torch.Tensor | None = field(default=None, repr=False)
+    test_labels: torch.Tensor | None = field(default=None, repr=False)
+    entries: list[dict] = field(default_factory=list, repr=False)
 
 
 def posterior_lambda_max(posterior: Posterior, data: ClassificationData, config: RunConfig) -> float:
@@ -77,20 +81,40 @@ def evaluate_posterior(
     return report, bma["test"].probs
 
 
-def run_one(method: str, dataset: str, seed: int, config: RunConfig) -> RunRecord:
-    """Fit ``method`` on ``dataset`` with ``seed`` and evaluate it."""
+def job_name(dataset: str, method: str, seed: int) -> str:
+    """The folder name of a job's checkpoints."""
+    return f"{dataset}__{method}__seed{seed}"
+
+
+def run_one(
+    method: str, dataset: str, seed: int, config: RunConfig, *, context: RunContext | None = None
+) -> RunRecord:
+    """Fit ``method`` on ``dataset`` with ``seed`` and evaluate it; ``context`` sets checkpoints, resume, progress
+    and the per-epoch log (default: none of them)."""
     spec = lookup(METHODS, "method", method)
-    load = lookup(DATASETS, "dataset", dataset)
-    data = to_device(load(flatten=config.model != "cnn"), config)
-    problem = Problem(data, config)
+    data = to_device(load_data(dataset, config), config)
+    context = RunContext(label=f"{dataset}/{method}/seed {seed}") if context is None else context
+    problem = Problem(data, config, seed, context)
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     start = time.perf_counter()
-    posterior = spec.fit(problem)
+    try:
+        posterior = spec.fit(problem)
+    except FloatingPointError as error:
+        message = str(error) if str(error).startswith(context.label) else f"{context.label}: {error}"
+        raise FloatingPointError(f"{message} ({context.last_good()})") from error
+    except ValueError as error:  # e.g. Pyro's validation of non-finite logits
+        where = context.diverged(error)
+        if where is None:
+            raise
+        first = str(error).splitlines()[0]
+        raise FloatingPointError(f"{context.label} diverged: {where}; training stopped on: {first} "
+                                 f"({context.last_good()})") from error
     fit_seconds = time.perf_counter() - start
     pyro.set_rng_seed(10_000 + seed)
     metrics, probs = evaluate_posterior(posterior, data, config)
-    return RunRecord(dataset, method, seed, metrics, fit_seconds, posterior.info, probs.cpu())
+    return RunRecord(dataset, method, seed, metrics, fit_seconds, posterior.info, probs.cpu(), data.y_test.cpu(),
+                     list(context.entries))
 
 
 def run_benchmark(
@@ -101,20 +125,57 @@ def run_benchmark(
     *,
     progress: bool = True,
     on_record: Callable[[RunRecord], None] | None = None,
+    checkpoint_dir: Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    metrics_log: Path | None = None,
 ) -> list[RunRecord]:
-    """Run every method on every dataset for every seed; unknown names fail before any training starts."""
+    """Run every method on every dataset for every seed; unknown names fail before any training starts.
+
+    :param checkpoint_dir: a folder of per-job checkpoints (``<dataset>__<method>__seed<s>/``: the rolling checkpoint,
+        each training phase's final state, collected draws, and the job's record once it is done).
+    :param checkpoint_every: steps between checkpoints (0: only at the end of every training phase).
+    :param resume: continue a killed run from ``checkpoint_dir``: finished jobs are read back, the interrupted one
+        continues from its last checkpoint, exactly.
+    :param metrics_log: a JSON-lines file receiving one entry per training epoch (rebuilt on resume).
+    """
+    names = dataset_names()
     for name in datasets:
-        lookup(DATASETS, "dataset", name)
+        if name not in names:
+            raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(names)}")
     for name in methods:
         lookup(METHODS, "method", name)
     if not seeds:
         raise ValueError("`seeds` is empty")
+    writer = world()[0] == 0
+    log = None
+    if metrics_log is not None:
+        log = metrics_log_writer(metrics_log)
+        if writer:
+            metrics_log.parent.mkdir(parents=True, exist_ok=True)
+            metrics_log.write_text("")
     jobs = [(d, m, s) for d in datasets for m in methods for s in seeds]
     records = []
-    bar = tqdm(jobs, disable=not progress, desc="pyro_flat bench")
+    bar = tqdm(jobs, disable=not (progress and writer), desc="pyro_flat bench")
     for dataset, method, seed in bar:
         bar.set_postfix_str(f"{dataset}/{method}/seed {seed}")
-        record = run_one(method, dataset, seed, config)
+        directory = None if checkpoint_dir is None else Path(checkpoint_dir) / job_name(dataset, method, seed)
+        done = None if directory is None else directory / "record.pt"
+        if resume and done is not None and done.exists():
+            record = RunRecord(**torch.load(done, weights_only=False))
+            for entry in record.entries if (log is not None and writer) else []:
+                log(entry)
+        else:
+            context = RunContext(
+                label=f"{dataset}/{method}/seed {seed}", directory=directory, every=checkpoint_every, resume=resume,
+                progress=progress, log=log, is_writer=writer,
+                fingerprint={"dataset": dataset, "method": method, "seed": seed, "config": config.to_dict()},
+            )
+            for entry in context.restored_entries if (log is not None and writer) else []:
+                log(entry)
+            record = run_one(method, dataset, seed, config, context=context)
+            if done is not None and writer:
+                atomic_save(vars(record), done)
         records.append(record)
         if on_record is not None:
             on_record(record)

@@ -1,9 +1,11 @@
 r"""Stochastic-gradient MCMC methods of the comparison harness: SGLD, cyclical SGLD and Entropy-MCMC.
 
-Every method runs the kernels of :mod:`pyro_flat.infer.mcmc` through Pyro's own ``MCMC`` on the run's model, with
-minibatches of ``config.batch_size`` drawn inside the model, a budget of ``problem.num_steps`` gradient evaluations
-(the epochs of the preset) and ``config.num_bma_samples`` draws averaged for prediction. The weights start at the
-network's torch initialisation (:class:`~pyro_flat.nn.init_to_network`).
+Every method runs the kernels of :mod:`pyro_flat.infer.mcmc` the way Pyro's own ``MCMC`` drives them
+(:func:`run_sgmcmc`: ``setup``, then ``sample``; the same draws, plus checkpoints) on the run's model, with
+minibatches of ``config.batch_size`` drawn inside the model (or from a ``DataLoader`` of augmented images), a budget
+of ``problem.num_steps`` gradient evaluations (the epochs of the preset) and ``config.num_bma_samples`` draws
+averaged for prediction. The weights start at the network's torch initialisation
+(:class:`~pyro_flat.nn.init_to_network`).
 
 Hyperparameters (``--set METHOD.KEY=VALUE``), on the scale of the papers' mean-loss learning rate :math:`\alpha`:
 the kernels' step size is :math:`\varepsilon = \alpha/N` (:mod:`pyro_flat.ops.diffusions`), so ``lr`` reads like an
@@ -17,7 +19,9 @@ SGD learning rate.
 * ``emcmc``: Entropy-MCMC [1] with the *same* step size, temperature, burn-in and budget as ``sgld`` plus ``eta``
   (default 0.01, the coupling variance on the full-data scale, the paper's :math:`\eta`); ``collect`` (default
   ``"both"``, as the authors average both networks) chooses the draws: half are :math:`\theta`, half
-  :math:`\theta_a`.
+  :math:`\theta_a`. With ``cycles`` it follows the authors' CIFAR schedule instead: ``csgld``'s cyclical cosine
+  (``exploration`` default 0: noise at every step) with the draws at the end of each cycle; ``anchor_prior_scale``
+  puts their weight decay on :math:`\theta_a` (:math:`(N\,\mathrm{wd})^{-1/2}`).
 * ``f_sgld``: F-SGLD [4]: ``sgld`` (same defaults for ``lr``, ``temperature``, ``burn_in``; same budget and thinning) on
   :func:`~pyro_flat.transforms.sharpness_aware` of the model with radius ``rho`` (default 0.05, the flat-seeking
   methods' default), i.e. Langevin dynamics on :math:`U_{\mathrm{SA}}(\theta)=-\log p(\theta)
@@ -43,11 +47,13 @@ from __future__ import annotations
 
 import math
 
-from pyro.infer import MCMC
+import torch
+from torch import Tensor, nn
 
 from ..infer.mcmc import SGLD, CyclicalStepSize, EntropyMCMC, StochasticGradientKernel
 from ..nn import init_to_network
 from ..transforms import local_entropy_draws, sharpness_aware
+from .loop import DrawStore, Holder
 from .problem import Posterior, Problem
 from .registry import register_method
 
@@ -56,19 +62,67 @@ __all__ = ["run_sgmcmc", "fit_sgld", "fit_f_sgld", "fit_csgld", "fit_emcmc"]
 REFERENCE_EMCMC = "Li & Zhang, Entropy-MCMC: Sampling from Flat Basins with Ease (ICLR 2024), arXiv:2310.05401"
 
 
-def run_sgmcmc(problem: Problem, kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int) -> dict:
-    """Run ``kernel`` through ``pyro.infer.MCMC`` on the run's training data (minibatches drawn in the model).
+def run_sgmcmc(
+    problem: Problem, kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int, *, model: nn.Module
+) -> dict[str, Tensor]:
+    """Run ``kernel`` as ``pyro.infer.MCMC(kernel, num_samples, warmup_steps)`` does — ``setup``, then ``sample``
+    with the chain's parameters — as one checkpointed phase of single transitions, each on the next minibatch.
+
+    The draws are the states ``MCMC`` keeps: after ``warmup_steps`` transitions every ``kernel.thinning``-th, or the
+    collection steps of a cyclical schedule. On tensor data the model draws its minibatches (``MCMC.run`` with the
+    full data and ``subsample_size``; the draws equal ``MCMC``'s bit for bit); on augmented images each transition
+    gets the next ``DataLoader`` batch through :meth:`~pyro_flat.infer.mcmc.StochasticGradientKernel.set_model_args`.
 
     :param problem: the harness problem (data, batch size).
     :param kernel: a stochastic-gradient kernel built on the problem's model.
     :param int num_samples: the draws to keep.
     :param int warmup_steps: the warm-up transitions.
+    :param model: the network (checkpointed with the chain: its BatchNorm statistics, learned weights).
     :returns: the samples ``{site: [num_samples, ...]}`` in constrained space.
     """
-    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True)
-    args, kwargs = problem.train_args()
-    mcmc.run(*args, **kwargs)
-    return mcmc.get_samples()
+    if problem.distributed:
+        raise ValueError("the SG-MCMC methods run in one process: their kernels do not all-reduce gradients "
+                         "(run them without torchrun)")
+    if any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the network has learned (non-latent) weights, which an MCMC kernel does not train: with "
+                         "latent='norm_and_head' or 'head' from scratch they would stay at their initialisation. Use "
+                         "latent='all', or a pretrained network whose other weights are frozen")
+    draw_steps = _draw_steps(kernel, num_samples, warmup_steps)
+    num_steps = draw_steps[-1] + 1
+    args, kwargs = problem.setup_args()
+    kernel.setup(num_steps, *args, **kwargs)  # every sample() call is then one transition
+    chain = Holder(kernel.initial_params)
+    names = kernel.save_params
+    ctx = problem.context
+    draws = DrawStore(None if ctx.directory is None else ctx.directory / "draws", writer=ctx.is_writer,
+                      device=problem.data.device)
+    loop = problem.loop(num_steps, {"model": model, "kernel": kernel, "chain": chain, "draws": draws}, name="kernel")
+    is_draw = set(draw_steps)
+    for step, (args, kwargs) in loop:
+        kernel.set_model_args(*args, **kwargs)
+        chain.value = kernel.sample(chain.value)
+        if step in is_draw:
+            draws.add({name: kernel.transforms[name].inv(chain.value[name]).detach() for name in names})
+    kernel.diagnostics()  # raises if the chain diverged since the last check
+    kernel.cleanup()
+    return {name: torch.stack([d[name] for d in draws.draws]) for name in names}
+
+
+def _draw_steps(kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int) -> list[int]:
+    """The transitions (0-based) after which ``MCMC`` would keep a draw."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    steps, t = [], warmup_steps
+    if kernel.schedule.collects(0) is None:
+        return [warmup_steps + (k + 1) * kernel.thinning - 1 for k in range(num_samples)]
+    while len(steps) < num_samples:  # MCMC's call k runs until a collection step
+        if kernel.schedule.collects(t):
+            steps.append(t)
+        t += 1
+        if t > warmup_steps + 10**7:
+            raise ValueError(f"the schedule {kernel.schedule!r} collected {len(steps)} of {num_samples} draws in "
+                             "10^7 steps")
+    return steps
 
 
 def _constant_plan(problem: Problem, method: str, draws: int) -> tuple[int, int]:
@@ -92,7 +146,7 @@ def _constant_sgld(problem: Problem, method: str, rho: float | None) -> Posterio
     temperature = float(problem.option(method, "temperature", 0.1))
     kernel = SGLD(target, step_size=lr / problem.data.num_data, temperature=temperature,
                   init_strategy=init_to_network(model), thinning=thinning)
-    samples = run_sgmcmc(problem, kernel, draws, warmup)
+    samples = run_sgmcmc(problem, kernel, draws, warmup, model=model)
     info = {"warmup_steps": warmup, "thinning": thinning} | ({} if rho is None else {"rho": rho})
     return Posterior.from_samples(model, samples, draws, info=info)
 
@@ -138,7 +192,7 @@ def fit_csgld(problem: Problem) -> Posterior:
     )
     kernel = SGLD(model, step_size=schedule, temperature=float(problem.option("csgld", "temperature", 0.1)),
                   init_strategy=init_to_network(model))
-    samples = run_sgmcmc(problem, kernel, cycles * per_cycle, 0)
+    samples = run_sgmcmc(problem, kernel, cycles * per_cycle, 0, model=model)
     return Posterior.from_samples(model, samples, draws, info={"cycle_length": cycle_length, "cycles": cycles})
 
 
@@ -154,15 +208,26 @@ def fit_emcmc(problem: Problem) -> Posterior:
     collect = problem.option("emcmc", "collect", "both")
     draws = problem.config.num_bma_samples
     kept = math.ceil(draws / 2) if collect == "both" else draws
-    warmup, thinning = _constant_plan(problem, "emcmc", kept)
+    cycles = problem.option("emcmc", "cycles", None)
+    if cycles is None:  # constant step size, sgld's plan
+        warmup, thinning = _constant_plan(problem, "emcmc", kept)
+        step_size, info = lr / problem.data.num_data, {"warmup_steps": warmup, "thinning": thinning}
+    else:  # the authors' CIFAR schedule: cyclical cosine, draws at the end of every cycle
+        per_cycle = math.ceil(kept / int(cycles))
+        step_size = CyclicalStepSize(lr / problem.data.num_data, problem.num_steps // int(cycles),
+                                     exploration_fraction=float(problem.option("emcmc", "exploration", 0.0)),
+                                     samples_per_cycle=per_cycle)
+        warmup, thinning, kept = 0, 1, per_cycle * int(cycles)
+        info = {"cycle_length": problem.num_steps // int(cycles), "cycles": int(cycles)}
     kernel = EntropyMCMC(
         model,
         eta=float(problem.option("emcmc", "eta", 0.01)),
-        step_size=lr / problem.data.num_data,
+        step_size=step_size,
         temperature=float(problem.option("emcmc", "temperature", 0.1)),
         collect=collect,
+        anchor_prior_scale=problem.option("emcmc", "anchor_prior_scale", None),
         init_strategy=init_to_network(model),
         thinning=thinning,
     )
-    samples = local_entropy_draws(run_sgmcmc(problem, kernel, kept, warmup), collect)
-    return Posterior.from_samples(model, samples, draws, info={"warmup_steps": warmup, "thinning": thinning})
+    samples = local_entropy_draws(run_sgmcmc(problem, kernel, kept, warmup, model=model), collect)
+    return Posterior.from_samples(model, samples, draws, info=info)

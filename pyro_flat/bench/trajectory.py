@@ -28,7 +28,10 @@ random minibatch of ``batch_size`` points per step (``problem.num_steps`` steps)
 Options (``--set method.key=value``): ``swa_start`` (epochs; all trajectory methods), ``max_rank`` (20), ``scale``
 (SWAG methods), ``rho`` (``sam_torch``/``f_*``: 0.05; ``bsam``: 0.05), ``m_sharpness`` (``sam_torch``, ``f_*``,
 ``bsam``: 1; the bSAM authors use 8), ``lr`` (``bsam``: 0.5; the others use ``config.lr``), ``beta2`` (``bsam``:
-0.99), ``damping`` (0.1), ``init_scale`` (1.0), ``lr_low_ratio`` (HWA: 0.01).
+0.99), ``damping`` (0.1), ``init_scale`` (1.0), ``prior_precision`` (bsam: :math:`1/s_0^2`), ``dafactor`` (bsam: 1;
+the authors' :math:`N_{\mathrm{eff}} = 4N` under data augmentation is 4), ``lr_low_ratio`` (HWA: 0.01),
+``save_swag`` (SWAG methods: a file to save the collected moments to, e.g. a source posterior for
+``sa_bma.backbone_swag``).
 
 References:
     * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from pyro.infer import Trace_ELBO
@@ -52,11 +56,12 @@ from pyro.infer.autoguide import AutoDelta, AutoNormal
 from torch import Tensor
 
 from ..infer.autoguide import SWAGCollector
-from ..infer.averaging import HWA, cyclical_lr_scheduler
+from ..infer.averaging import HWA, CyclicalLR
 from ..metrics import model_loss_fn
 from ..nn import BayesianClassifier, init_to_network
 from ..optim import SAM, BayesianSAM
-from .problem import Posterior, Problem, run_svi
+from .loop import atomic_save
+from .problem import LossModule, OptimSpec, Posterior, Problem, run_svi
 from .registry import register_method
 
 _FBNN = "Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023), arXiv:2302.02713"
@@ -83,32 +88,26 @@ def _delta_guide(problem: Problem, model: BayesianClassifier) -> AutoDelta:
     return guide
 
 
-def _minibatches(problem: Problem, num_splits: int) -> Iterator[list[Tensor]]:
-    """``num_steps`` random minibatches (``randperm(N)[:B]``, as ``pyro.plate`` subsampling), each split in
-    ``num_splits`` sub-batches."""
-    n, b = problem.data.num_data, problem.batch_size
-    if not (isinstance(num_splits, int) and 1 <= num_splits <= b):
-        raise ValueError(f"m_sharpness must be an int in [1, batch size {b}], got {num_splits!r}")
-    for _ in range(problem.num_steps):
-        idx = torch.randperm(n, device=problem.data.device)[:b]
-        yield list(idx.tensor_split(num_splits))
-
-
 def _run_closure_optimizer(
     problem: Problem,
     optimizer: torch.optim.Optimizer,
-    make_loss: Callable[[Tensor], Callable[[], Tensor]],
+    make_loss: Callable[[Tensor, Tensor, int], Callable[[], Tensor]],
     num_splits: int,
     *,
+    state: dict[str, object],
     callback: Callable[[int], None] | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     log_every: int = 50,
 ) -> list[float]:
-    """Run a closure-based optimizer over ``problem.num_steps`` minibatches; returns every ``log_every``-th loss."""
-    history = []
+    """Run a closure-based optimizer over ``problem.num_steps`` minibatches (one checkpointed phase; ``state`` names
+    what else it changes), each split into ``num_splits`` sub-batches (m-sharpness), ``make_loss(x, y, N)`` giving
+    the loss of a sub-batch; returns every ``log_every``-th loss."""
+    b = problem.batch_size // problem.world_size
+    if not (isinstance(num_splits, int) and 1 <= num_splits <= b):
+        raise ValueError(f"m_sharpness must be an int in [1, batch size {b}], got {num_splits!r}")
 
-    def closure_for(idx: Tensor) -> Callable[[], Tensor]:
-        loss_fn = make_loss(idx)
+    def closure_for(x: Tensor, y: Tensor, num_data: int) -> Callable[[], Tensor]:
+        loss_fn = make_loss(x, y, num_data)
 
         def closure() -> Tensor:
             loss = loss_fn()
@@ -117,29 +116,30 @@ def _run_closure_optimizer(
 
         return closure
 
-    for step, parts in enumerate(_minibatches(problem, num_splits)):
-        loss = optimizer.step([closure_for(idx) for idx in parts])
-        if step % log_every == 0 or step == problem.num_steps - 1:
-            value = float(loss)
-            if not math.isfinite(value):
-                raise FloatingPointError(
-                    f"{type(optimizer).__name__}: the loss became {value} at step {step} of {problem.num_steps}"
-                )
-            history.append(value)
+    objects = {**state, "optim": optimizer} | ({} if scheduler is None else {"schedule": scheduler})
+    loop = problem.loop(problem.num_steps, objects, explicit=True, log_every=log_every, name=type(optimizer).__name__)
+    for step, ((x, y), kwargs) in loop:
+        parts = zip(x.tensor_split(num_splits), y.tensor_split(num_splits), strict=True)
+        loop.record(optimizer.step([closure_for(xs, ys, kwargs["num_data"]) for xs, ys in parts]))
         if scheduler is not None:
             scheduler.step()
         if callback is not None:
             callback(step)
-    return history
+    return loop.history
 
 
 def _map_loss(
     problem: Problem, model: BayesianClassifier, guide: AutoDelta
-) -> Callable[[Tensor], Callable[[], Tensor]]:
-    """idx -> a function computing the negative log joint per datum, -log p(y_B, theta) / N, on the minibatch idx."""
-    elbo = Trace_ELBO()
-    x, y, n = problem.data.x_train, problem.data.y_train, problem.data.num_data
-    return lambda idx: lambda: elbo.differentiable_loss(model, guide, x[idx], y[idx], num_data=n) / n
+) -> Callable[[Tensor, Tensor, int], Callable[[], Tensor]]:
+    """(x, y, N) -> a function computing the negative log joint per datum, -log p(y_B, theta) / N, on the minibatch
+    (through DistributedDataParallel when data-parallel)."""
+    module = problem.data_parallel(Trace_ELBO()(model, guide))
+    return lambda x, y, n: lambda: module(x, y, num_data=n) / n
+
+
+def _trained_parameters(model: BayesianClassifier, guide: AutoDelta) -> list[Tensor]:
+    """The guide's parameters and the network's learned (non-latent) ones."""
+    return list(guide.parameters()) + list(model.parameters())
 
 
 def _collector_callback(problem: Problem, method: str, guide: AutoDelta) -> tuple[SWAGCollector, Callable]:
@@ -154,7 +154,7 @@ def _adam_trajectory(problem: Problem, method: str) -> tuple[BayesianClassifier,
     guide = AutoDelta(model, init_loc_fn=init_to_network(model))
     guide(problem.data.x_train[:2], problem.data.y_train[:2])
     collector, callback = _collector_callback(problem, method, guide)
-    history = run_svi(problem, model, guide, callback=callback)
+    history = run_svi(problem, model, guide, callback=callback, state={"collector": collector})
     return model, collector, history
 
 
@@ -163,16 +163,22 @@ def _sam_trajectory(problem: Problem, method: str) -> tuple[BayesianClassifier, 
     model = problem.build_model()
     guide = _delta_guide(problem, model)
     collector, callback = _collector_callback(problem, method, guide)
-    optimizer = SAM(guide.parameters(), torch.optim.Adam, rho=problem.option(method, "rho", 0.05),
-                    lr=problem.config.lr)
+    spec = problem.optim_spec(mean_loss=True)
+    optimizer = SAM(_trained_parameters(model, guide), spec.cls, rho=problem.option(method, "rho", 0.05), **spec.args)
+    scheduler = None if spec.lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, spec.lr_lambda)
     history = _run_closure_optimizer(problem, optimizer, _map_loss(problem, model, guide),
-                                     problem.option(method, "m_sharpness", 1), callback=callback)
+                                     problem.option(method, "m_sharpness", 1), callback=callback, scheduler=scheduler,
+                                     state={"model": model, "guide": guide, "collector": collector})
     return model, guide, collector, history
 
 
 def _swag_posterior(problem: Problem, method: str, model: BayesianClassifier, collector: SWAGCollector,
                     kind: str, history: list[float]) -> Posterior:
     info = {"losses": history, "num_collected": collector.num_collected, "rank": collector.rank}
+    path = problem.option(method, "save_swag", None)
+    if path is not None and problem.rank == 0:  # e.g. the source posterior of a transfer's frozen layers
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_save(collector.state_dict(), Path(path))
     if kind == "swa":
         return Posterior.from_points(model, [collector.mean()], info=info)
     diagonal = kind == "swag_diag"
@@ -223,13 +229,13 @@ _register_swag("f_swag_diag", "swag_diag", "sam", "swag_diag", "F-SWAG-Diagonal 
 def fit_bsam(problem: Problem) -> Posterior:
     model = problem.build_model()
     guide = _delta_guide(problem, model)
-    x, y, n = problem.data.x_train, problem.data.y_train, problem.data.num_data
+    dafactor = problem.option("bsam", "dafactor", 1)
     optimizer = BayesianSAM(
-        guide.parameters(),
+        _trained_parameters(model, guide),
         lr=problem.option("bsam", "lr", 0.5),
-        num_data=n,
+        num_data=problem.data.num_data * dafactor,
         rho=problem.option("bsam", "rho", 0.05),
-        prior_precision=1.0 / problem.config.prior_scale**2,
+        prior_precision=problem.option("bsam", "prior_precision", 1.0 / problem.config.prior_scale**2),
         damping=problem.option("bsam", "damping", 0.1),
         beta2=problem.option("bsam", "beta2", 0.99),
         init_scale=problem.option("bsam", "init_scale", 1.0),
@@ -237,13 +243,12 @@ def fit_bsam(problem: Problem) -> Posterior:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / problem.num_steps))
     )
-
-    def make_loss(idx: Tensor) -> Callable[[], Tensor]:
-        nll = model_loss_fn(model, x[idx], y[idx], num_data=n)
-        return lambda: nll(guide())
-
-    history = _run_closure_optimizer(problem, optimizer, make_loss, problem.option("bsam", "m_sharpness", 1),
-                                     scheduler=scheduler)
+    nll = problem.data_parallel(LossModule(
+        lambda x, y, n: model_loss_fn(model, x, y, num_data=n)(guide()), guide, model
+    ))
+    history = _run_closure_optimizer(problem, optimizer, lambda x, y, n: lambda: nll(x, y, n),
+                                     problem.option("bsam", "m_sharpness", 1), scheduler=scheduler,
+                                     state={"model": model, "guide": guide})
 
     def draws(num: int) -> Iterator[dict[str, Tensor]]:
         for _ in range(num):
@@ -269,12 +274,12 @@ def _hwa_trajectory(problem: Problem, method: str) -> tuple[BayesianClassifier, 
     history = run_svi(problem, model, guide, num_steps=pretrain) if pretrain > 0 else []
     if pretrain == 0:
         guide(problem.data.x_train[:2], problem.data.y_train[:2])
-    lr = problem.config.lr
-    scheduler = cyclical_lr_scheduler(torch.optim.Adam, {"lr": lr}, cycle_length=spe,
-                                      lr_low=lr * problem.option(method, "lr_low_ratio", 0.01))
+    spec = problem.optim_spec()
+    lr = spec.args["lr"]
+    cyclical = OptimSpec(spec.cls, spec.args, CyclicalLR(spe, lr * problem.option(method, "lr_low_ratio", 0.01) / lr))
     hwa = HWA(guide, max_rank=problem.option(method, "max_rank", 20))
-    history += run_svi(problem, model, guide, optim=scheduler, num_steps=problem.num_steps - pretrain,
-                       callback=hwa.callback(spe, scheduler=scheduler))
+    history += run_svi(problem, model, guide, optim=cyclical, num_steps=problem.num_steps - pretrain,
+                       callback=hwa.callback(spe), state={"hwa": hwa})
     return model, guide, hwa, history
 
 

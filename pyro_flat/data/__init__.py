@@ -7,12 +7,15 @@
   (:class:`SharpFlatEnergy`, :class:`BayesianLinearRegression`, :class:`GaussianTarget`).
 * :mod:`~pyro_flat.data.vision`: CIFAR-10/100, SVHN, MNIST, FashionMNIST read from a local folder (extra
   ``[vision]``).
+* :mod:`~pyro_flat.data.images`: those datasets at scale (:class:`VisionData`): the standard augmentation and
+  ``DataLoader`` s whose batches depend only on the seed and their position (resumable, any number of workers).
 
 Importing this package imports only torch, numpy and Pyro; the optional packages are imported by the loaders that
 need them.
 """
 
 from .datasets import ClassificationData, RegressionData
+from .images import VisionData, load_vision_data, write_synthetic_cifar
 from .real import feature_shuffled, load_dataset, load_digits, load_mnist1d
 from .toy import (
     BayesianLinearRegression,
@@ -43,4 +46,7 @@ __all__ = [
     "vision_num_data",
     "LocalImageDataset",
     "VISION_DATASETS",
+    "VisionData",
+    "load_vision_data",
+    "write_synthetic_cifar",
 ]

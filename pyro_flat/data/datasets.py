@@ -226,7 +226,8 @@ class ClassificationData(_InMemoryData):
         :param int seed: the seed of the training-subset draw.
         """
         owner = "ClassificationData.subset"
-        x_train, y_train, x_test, y_test = self.x_train, self.y_train, self.x_test, self.y_test
+        train_index = torch.arange(self.num_data, device=self.device)
+        y_train, x_test, y_test = self.y_train, self.x_test, self.y_test
         num_classes, name = self.num_classes, self.name
         if classes is not None:
             classes = [int(c) for c in classes]
@@ -238,20 +239,24 @@ class ClassificationData(_InMemoryData):
             relabel = torch.full((num_classes,), -1, dtype=torch.int64, device=self.device)
             relabel[classes] = torch.arange(len(classes), device=self.device)
             keep_train, keep_test = relabel[y_train] >= 0, relabel[y_test] >= 0
-            x_train, y_train = x_train[keep_train], relabel[y_train[keep_train]]
+            train_index = train_index[keep_train]
+            y_train = relabel[y_train]
             x_test, y_test = x_test[keep_test], relabel[y_test[keep_test]]
             num_classes, name = len(classes), f"{name}[classes={classes}]"
-            if len(x_train) == 0:
+            if len(train_index) == 0:
                 raise ValueError(f"{owner}: no training example has a label in classes={classes}")
         if num_train is not None:
             check_int(num_train, "num_train", owner=owner)
-            if num_train > len(x_train):
-                raise ValueError(f"{owner}: expected num_train <= {len(x_train)} available examples, got {num_train}")
+            if num_train > len(train_index):
+                raise ValueError(
+                    f"{owner}: expected num_train <= {len(train_index)} available examples, got {num_train}"
+                )
             generator = torch.Generator().manual_seed(seed)
-            index = torch.randperm(len(x_train), generator=generator)[:num_train].sort().values.to(self.device)
-            x_train, y_train = x_train[index], y_train[index]
+            keep = torch.randperm(len(train_index), generator=generator)[:num_train].sort().values.to(self.device)
+            train_index = train_index[keep]
             name = f"{name}[num_train={num_train}]"
-        return ClassificationData(name, x_train, y_train, x_test, y_test, num_classes, self.x_ood)
+        return self._derived(train_index, y_train=y_train[train_index], x_test=x_test, y_test=y_test,
+                             num_classes=num_classes, name=name)
 
     def few_shot(self, shots_per_class: int, seed: int = 0) -> ClassificationData:
         """A ``k``-shot training set: ``shots_per_class`` random training examples of every class; test unchanged.
@@ -276,15 +281,14 @@ class ClassificationData(_InMemoryData):
                 )
             picked.append(members[torch.randperm(len(members), generator=generator)[:shots_per_class]])
         index = torch.cat(picked).sort().values.to(self.device)
-        return ClassificationData(
-            f"{self.name}[{shots_per_class}-shot]",
-            self.x_train[index],
-            self.y_train[index],
-            self.x_test,
-            self.y_test,
-            self.num_classes,
-            self.x_ood,
-        )
+        return self._derived(index, name=f"{self.name}[{shots_per_class}-shot]")
+
+    def _derived(self, train_index: Tensor, **changes: object) -> ClassificationData:
+        """A copy keeping the training examples ``train_index`` (in that order), with ``changes`` to other fields
+        (subclasses holding more per-example data override this)."""
+        fields = {"name": self.name, "x_train": self.x_train[train_index], "y_train": self.y_train[train_index],
+                  "x_test": self.x_test, "y_test": self.y_test, "num_classes": self.num_classes, "x_ood": self.x_ood}
+        return ClassificationData(**(fields | changes))
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._validation import check_int
 from .datasets import ClassificationData
 
 __all__ = ["load_digits", "load_mnist1d", "load_dataset", "feature_shuffled"]
@@ -180,8 +181,7 @@ def load_mnist1d(
     :returns: the dataset, named ``"mnist1d"``.
     :rtype: ClassificationData
     """
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 10:
-        raise ValueError(f"load_mnist1d: expected num_samples to be an int >= 10, got {num_samples!r}")
+    check_int(num_samples, "num_samples", minimum=10, owner="load_mnist1d")
     x_train, y_train, x_test, y_test = _mnist1d_arrays(num_samples, seed)
     mean, std = x_train.mean(), x_train.std()
     x_train, x_test = (x_train - mean) / std, (x_test - mean) / std

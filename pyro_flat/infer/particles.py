@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.distributions.transforms import Transform
 
+from .._validation import check_int
 from ..ops.diffusions import langevin_step
 from ..ops.sam import check_radius, sam_perturbation
 from .mcmc.base import ModelPotential, initialize_sg_model
@@ -191,8 +192,7 @@ class BatchedSGLD:
         """
         for name, value, minimum in (("num_samples", num_samples, 1), ("warmup_steps", warmup_steps, 0),
                                      ("thinning", thinning, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}")
+            check_int(value, name, minimum=minimum)
         for _ in range(warmup_steps):
             args, kwargs = batches()
             self.step(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""Bayesian networks as Pyro models, and tools to turn torch networks Bayesian."""
+"""Bayesian networks as Pyro models, tools to turn torch networks Bayesian, and the CIFAR ResNets of the papers."""
 
 from .batchnorm import has_batchnorm, refresh_batchnorm
 from .bayesian import NORM_LAYERS, head_module_name, init_to_network, latent_init_values, make_bayesian
@@ -9,10 +9,12 @@ from .models import (
     BayesianRegressionMLP,
     BayesianRegressor,
 )
-from .transfer import bayesian_transfer, replace_head
+from .resnets import preresnet, resnet18, wide_resnet
+from .transfer import SWAGFrozenSampler, bayesian_transfer, replace_head
 
 __all__ = [
     "NORM_LAYERS",
+    "SWAGFrozenSampler",
     "BayesianCNN",
     "BayesianClassifier",
     "BayesianMLP",
@@ -24,6 +26,9 @@ __all__ = [
     "init_to_network",
     "latent_init_values",
     "make_bayesian",
+    "preresnet",
     "refresh_batchnorm",
     "replace_head",
+    "resnet18",
+    "wide_resnet",
 ]

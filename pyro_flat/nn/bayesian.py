@@ -73,11 +73,14 @@ def _random_predicate(module: nn.Module, random: RandomSpec) -> Callable[[str, n
     if isinstance(random, str):
         if random == "all":
             return lambda *_: True
-        if random == "norm_and_head":
+        if random in ("norm_and_head", "head"):
             head = head_module_name(module)
+            if random == "head":
+                return lambda mname, _sub, _param: mname == head
             return lambda mname, sub, _: isinstance(sub, NORM_LAYERS) or mname == head
         raise ValueError(
-            f"`random` must be 'all', 'norm_and_head', a collection of parameter names or a callable, got {random!r}"
+            "`random` must be 'all', 'norm_and_head', 'head', a collection of parameter names or a callable, "
+            f"got {random!r}"
         )
     names = set(random)
     known = {name for name, _ in module.named_parameters()}
@@ -101,8 +104,9 @@ def make_bayesian(
 
     :param module: any torch network.
     :param random: which parameters become random: ``"all"``; ``"norm_and_head"`` (the affine parameters of
-        normalisation layers and the last linear/conv layer, as in Bayesian transfer learning [1]); a collection of
-        qualified parameter names (``"0.weight"``); or a predicate ``(module_name, submodule, param_name) -> bool``.
+        normalisation layers and the last linear/conv layer, as in Bayesian transfer learning [1]); ``"head"`` (the
+        last linear/conv layer only: a last-layer Bayesian network); a collection of qualified parameter names
+        (``"0.weight"``); or a predicate ``(module_name, submodule, param_name) -> bool``.
     :param prior_scale: standard deviation :math:`s > 0` of the Gaussian prior.
     :param prior_loc: ``"zero"`` or ``"current"`` (centre the prior at the parameter's present value).
     :param rest: what happens to the other parameters: ``"frozen"`` (become buffers) or ``"learned"`` (stay

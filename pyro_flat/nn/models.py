@@ -26,6 +26,7 @@ import torch
 from pyro.nn import PyroModule
 from torch import Tensor, nn
 
+from .._validation import check_int
 from .bayesian import make_bayesian
 
 
@@ -49,18 +50,24 @@ class BayesianClassifier(PyroModule):
     :param net: a network made (partly) Bayesian by :func:`make_bayesian`; it maps ``[B, *input_shape]`` to
         ``[B, num_classes]`` logits.
     :param num_classes: the number of classes :math:`C`.
+    :param autocast: ``None`` (default) or a low-precision dtype (``torch.bfloat16``, ``torch.float16``): the network's
+        forward pass runs under :func:`torch.autocast` in it and its logits are cast back to the input's dtype. Only
+        the network is autocast: the likelihood, the prior and guide densities, and every algebra an objective does
+        with the gradients (a SAM ascent, a Fisher solve) stay in the model's dtype.
 
     Call as ``model(x, y=None, *, subsample_size=None, num_data=None)``; returns the logits of the (sub)batch.
     """
 
-    def __init__(self, net: nn.Module, num_classes: int) -> None:
+    def __init__(self, net: nn.Module, num_classes: int, *, autocast: torch.dtype | None = None) -> None:
         super().__init__()
         if not isinstance(net, PyroModule):
             raise TypeError("`net` must be a PyroModule; convert it with pyro_flat.nn.make_bayesian first")
-        if not (isinstance(num_classes, int) and num_classes >= 2):
-            raise ValueError(f"`num_classes` must be an int >= 2, got {num_classes!r}")
+        check_int(num_classes, "num_classes", minimum=2)
+        if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+            raise ValueError(f"`autocast` must be None or a floating torch.dtype, got {autocast!r}")
         self.net = net
         self.num_classes = num_classes
+        self.autocast = autocast
 
     def _check(self, x: Tensor, y: Tensor | None) -> None:
         if not isinstance(x, Tensor) or x.dim() < 2:
@@ -86,7 +93,12 @@ class BayesianClassifier(PyroModule):
             with plate as idx:
                 x = x[idx]
                 y = None if y is None else y[idx]
-        logits = self.net(x)
+        if self.autocast is None:
+            logits = self.net(x)
+        else:
+            with torch.autocast(x.device.type, dtype=self.autocast):
+                logits = self.net(x)
+            logits = logits.to(x.dtype)
         with plate:
             pyro.deterministic("logits", logits, event_dim=1)
             pyro.sample("obs", dist.Categorical(logits=logits), obs=y)

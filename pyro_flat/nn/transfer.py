@@ -15,9 +15,9 @@ ordinary :class:`~pyro_flat.nn.BayesianClassifier`, so any Pyro inference applie
 :class:`~pyro_flat.infer.elbo.KLBallELBO` and :class:`~pyro_flat.infer.autoguide.AutoLowRankPlusDiagonalNormal`
 (SA-BMA), mean-field VI, SWAG, MCMC.
 
-.. note:: In SA-BMA the frozen block is not a point but is re-sampled from a source SWAG posterior at every step. That
-    needs a SWAG posterior of the source network and is not provided here: the frozen block is a point (the
-    pretrained weights).
+In SA-BMA the frozen block is not a point but is re-sampled from a SWAG posterior of the source network at every
+step; :class:`SWAGFrozenSampler` does that for any transferred network (the default frozen block is a point, the
+pretrained weights).
 
 References:
     * [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
@@ -32,10 +32,11 @@ import math
 import torch
 from torch import nn
 
+from .._validation import check_int
 from .bayesian import _PRIOR_LOC, _PRIOR_SCALE, NORM_LAYERS, RandomSpec, head_module_name, make_bayesian
 from .models import BayesianClassifier
 
-__all__ = ["bayesian_transfer", "replace_head"]
+__all__ = ["SWAGFrozenSampler", "bayesian_transfer", "replace_head"]
 
 
 def replace_head(net: nn.Module, num_classes: int, *, head: str | None = None) -> nn.Linear:
@@ -48,8 +49,7 @@ def replace_head(net: nn.Module, num_classes: int, *, head: str | None = None) -
         :func:`~pyro_flat.nn.head_module_name`).
     :returns: the new head.
     """
-    if isinstance(num_classes, bool) or not (isinstance(num_classes, int) and num_classes >= 2):
-        raise ValueError(f"`num_classes` must be an int >= 2, got {num_classes!r}")
+    check_int(num_classes, "num_classes", minimum=2)
     head = head_module_name(net) if head is None else head
     modules = dict(net.named_modules())
     if head not in modules:
@@ -131,3 +131,111 @@ def bayesian_transfer(
             elif name.startswith(_PRIOR_SCALE):
                 setattr(head_module, name, torch.full_like(buffer, float(head_prior_scale)))
     return BayesianClassifier(net, num_classes)
+
+
+class SWAGFrozenSampler:
+    r"""Re-samples the frozen weights of a transferred network from a SWAG posterior of the source network (SA-BMA's
+    scheme, [1] in the module docstring).
+
+    For the frozen weights :math:`\theta_f` (the buffers :func:`bayesian_transfer` left at their pretrained values) it
+    draws, from the SWAG Gaussian's marginal on them (the rows of its moments),
+
+    .. math:: \theta_f = \bar\theta_f + \sqrt{s}\,\Big(\sigma_f \odot z_1 + \frac{D_f z_2}{\sqrt{K-1}}\Big),
+        \qquad z_1 \sim \mathcal N(0, I),\ z_2 \sim \mathcal N(0, I_K),
+
+    with :math:`s` the ``scale`` (0.5 is SWAG's :math:`\tfrac12(\Sigma_{\rm diag}+DD^\top/(K-1))`) and writes it into
+    the network, in place and without gradient. A new draw is made before every forward pass in training mode with
+    gradients enabled — every training step, and the perturbed pass of a flat objective replays the same draw (it
+    replays the random state) — and by :meth:`resample`, which a Bayesian model average calls once per posterior
+    draw so that the BatchNorm refresh and the prediction of a draw share one frozen block.
+
+    :param model: the Bayesian network (e.g. from :func:`bayesian_transfer`); its ``net`` holds the frozen buffers.
+    :param mean: ``{name: tensor}`` of the source SWAG mean, names relative to ``model.net`` (``"layer1.0.conv1
+        .weight"``); every name must be a buffer of ``model.net``.
+    :param variance: ``{name: tensor}``, the diagonal variance :math:`\sigma^2`.
+    :param deviations: ``{name: tensor [*shape, K]}``, the deviation columns :math:`D` (``K >= 2``), or ``None`` for
+        the diagonal part alone.
+    :param float scale: :math:`s > 0` (default 0.5).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mean: dict[str, torch.Tensor],
+        variance: dict[str, torch.Tensor],
+        deviations: dict[str, torch.Tensor] | None = None,
+        *,
+        scale: float = 0.5,
+    ) -> None:
+        if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+            raise ValueError(f"SWAGFrozenSampler: `scale` must be a finite number > 0, got {scale!r}")
+        net = model.net
+        buffers = dict(net.named_buffers())
+        unknown = [name for name in mean if name not in buffers]
+        if unknown or not mean:
+            raise ValueError(f"SWAGFrozenSampler: {unknown or 'no names'} are not frozen weights (buffers) of the "
+                             f"network; expected names among {sorted(buffers)[:5]}...")
+        self.targets = {name: buffers[name] for name in mean}
+        for name, target in self.targets.items():
+            if mean[name].shape != target.shape:
+                raise ValueError(f"SWAGFrozenSampler: {name} has shape {tuple(target.shape)}, the SWAG mean "
+                                 f"{tuple(mean[name].shape)}")
+        like = next(iter(self.targets.values()))
+        self.mean = {k: v.to(like) for k, v in mean.items()}
+        self.std = {k: variance[k].to(like).sqrt() for k in mean}
+        self.deviations = None if deviations is None else {k: deviations[k].to(like) for k in mean}
+        self.rank = 0 if deviations is None else next(iter(self.deviations.values())).shape[-1]
+        if self.deviations is not None and self.rank < 2:
+            raise ValueError("SWAGFrozenSampler: the low-rank term needs K >= 2 deviation columns; pass "
+                             "deviations=None for the diagonal part alone")
+        self.scale = float(scale)
+        self.handle = net.register_forward_pre_hook(self._before_forward)
+
+    @classmethod
+    def from_swag(
+        cls,
+        model: nn.Module,
+        collector: object,
+        *,
+        prefix: str = "net.",
+        scale: float = 0.5,
+        diagonal_only: bool = False,
+    ) -> SWAGFrozenSampler:
+        """From a :class:`~pyro_flat.infer.autoguide.SWAGCollector` of the source network (e.g. SWAG of all its
+        weights, site names ``prefix + name``): its moments restricted to the frozen buffers of ``model.net``."""
+        frozen = {name for name, _ in model.net.named_buffers()}
+        keep = [site for site in collector.sites if site.startswith(prefix) and site[len(prefix) :] in frozen]
+        if not keep:
+            raise ValueError(f"SWAGFrozenSampler.from_swag: no site of the collector ({list(collector.sites)[:3]}...) "
+                             f"names a frozen weight of the network")
+        mean, variance = collector.mean(), collector.variance()
+        deviations = None
+        if not diagonal_only:
+            columns, deviations, start = collector.deviation_matrix(), {}, 0
+            for site, shape in collector.sites.items():
+                size = math.prod(shape)
+                deviations[site] = columns[start : start + size].reshape(*shape, columns.shape[-1])
+                start += size
+        strip = {site: site[len(prefix) :] for site in keep}
+        return cls(model, {strip[k]: mean[k] for k in keep}, {strip[k]: variance[k] for k in keep},
+                   None if deviations is None else {strip[k]: deviations[k] for k in keep}, scale=scale)
+
+    @torch.no_grad()
+    def resample(self) -> None:
+        """Draw the frozen weights anew (one draw of the SWAG marginal) and write them into the network."""
+        first = next(iter(self.mean.values()))
+        z2 = None if self.deviations is None else torch.randn(self.rank, dtype=first.dtype, device=first.device)
+        root = math.sqrt(self.scale)
+        for name, target in self.targets.items():
+            value = self.std[name] * torch.randn_like(target)
+            if z2 is not None:
+                value = value + self.deviations[name] @ z2 / math.sqrt(self.rank - 1)
+            target.copy_(self.mean[name] + root * value)
+
+    def _before_forward(self, module: nn.Module, args: tuple) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.resample()
+
+    def remove(self) -> None:
+        """Stop re-sampling before forward passes (the last draw stays in the network)."""
+        self.handle.remove()

@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .._validation import check_int
 from .low_rank import low_rank_covariance_product
 from .sam import check_radius
 from .tree import global_norm, tree_dot
@@ -203,8 +204,7 @@ def conjugate_gradient(
     :param float damping: the relative damping (:math:`\ge 0`).
     :returns: :math:`x`, shaped like ``b``.
     """
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"conjugate_gradient: `iterations` must be an int >= 1, got {iterations!r}")
+    check_int(iterations, "iterations", owner="conjugate_gradient")
     if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0 <= damping < math.inf:
         raise ValueError(f"conjugate_gradient: `damping` must be a finite number >= 0, got {damping!r}")
     b = [t.detach() for t in b]

@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._validation import check_int
+
 VARIANCE_CLAMP = 1e-30
 """The lower clamp of the diagonal variance in github.com/wjmaddox/swa_gaussian (``var_clamp``)."""
 
@@ -105,8 +107,7 @@ class DeviationBuffer:
     """
 
     def __init__(self, max_rank: int, size: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
-        if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
-            raise ValueError(f"`max_rank` must be an int >= 1, got {max_rank!r}")
+        check_int(max_rank, "max_rank")
         self.max_rank = max_rank
         self.rows = torch.zeros(max_rank, size, dtype=dtype, device=device)  # one deviation per row
         self.num_appended = 0

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
         ("bsam_two_moons.py", ["--epochs", "2", "--samples", "2", "--out", "{tmp}"], "bSAM"),
         ("entropy_mcmc_constrained.py", ["--smoke", "--out", "{tmp}/emc.md"], "Entropy-MCMC (anchors)"),
         ("memory.py", ["--draws", "2", "--warmup", "1", "--out", "{tmp}/memory.md"], "StreamingBMA"),
+        ("memory_resnet.py", ["--batch", "2", "--steps", "1", "--cells", "torch SGD step", "--out", "{tmp}/m.md"],
+         "torch SGD step"),
+        ("scale_costs.py", ["--batch", "4", "--repeats", "1", "--methods", "map", "--networks", "ResNet-18", "--out",
+                            "{tmp}/s.md"], "Estimated GPU hours"),
         ("trajectory_paired.py", [str(ROOT / "results" / "trajectory" / "results.json")], "Paired differences"),
     ],
 )

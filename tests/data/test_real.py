@@ -144,7 +144,7 @@ def test_mnist1d_seeds_cache_and_global_rng():
 
 
 def test_mnist1d_bad_num_samples():
-    with pytest.raises(ValueError, match="num_samples to be an int >= 10"):
+    with pytest.raises(ValueError, match="load_mnist1d: `num_samples` must be an int >= 10"):
         load_mnist1d(num_samples=5)
 
 

@@ -89,3 +89,46 @@ def test_replace_head_and_errors():
         bayesian_transfer("net", 3)
     with pytest.raises(ValueError, match="`head_prior_scale`"):
         bayesian_transfer(_pretrained(), 3, head_prior_scale=0.0)
+
+
+def test_frozen_weights_resampled_from_a_source_swag_posterior():
+    from pyro_flat.infer.autoguide import SWAGCollector
+    from pyro_flat.nn import SWAGFrozenSampler
+
+    net = _pretrained(norm="batch")
+    model = bayesian_transfer(net, 3, prior_scale=0.1)
+    collector = SWAGCollector(max_rank=4, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(6):  # iterates of the whole source network (site names as a Pyro model of it would have)
+        collector.collect({f"net.{k}": v + 0.1 * torch.randn(v.shape, generator=generator, dtype=v.dtype)
+                           for k, v in net.named_parameters()})
+    sampler = SWAGFrozenSampler.from_swag(model, collector, scale=0.5)
+    assert set(sampler.targets) == {"0.weight", "0.bias"}  # only the frozen block: the conv layer
+    # 4000 draws of the 40 frozen numbers: mean and variance of SWAG's marginal, within 5 standard errors
+    draws = []
+    for _ in range(4000):
+        sampler.resample()
+        draws.append(torch.cat([model.net[0].weight.reshape(-1), model.net[0].bias]).clone())
+    draws = torch.stack(draws)
+    mean = torch.cat([collector.mean()["net.0.weight"].reshape(-1), collector.mean()["net.0.bias"]])
+    assert list(collector.sites)[:2] == ["net.0.weight", "net.0.bias"]  # the first rows of the flat moments
+    d = collector.deviation_matrix()[: mean.numel()]
+    variance = 0.5 * (torch.cat([collector.variance()[k].reshape(-1) for k in ("net.0.weight", "net.0.bias")])
+                      + d.square().sum(-1) / (collector.rank - 1))
+    se = (variance / 4000).sqrt()
+    assert ((draws.mean(0) - mean).abs() < 5 * se).all()
+    assert ((draws.var(0) / variance - 1).abs() < 5 * (2 / 4000) ** 0.5).all()
+    # a new draw before each training forward pass with gradients, none in evaluation or without gradients
+    x = torch.randn(2, 1, 8, 8)
+    before = model.net[0].weight.clone()
+    with torch.no_grad():
+        model.net(x)
+    assert torch.equal(model.net[0].weight, before)
+    model.net(x)
+    assert not torch.equal(model.net[0].weight, before)
+    sampler.remove()
+    after = model.net[0].weight.clone()
+    model.net(x)
+    assert torch.equal(model.net[0].weight, after)
+    with pytest.raises(ValueError, match="not frozen weights"):
+        SWAGFrozenSampler(model, {"1.weight": torch.ones(4)}, {"1.weight": torch.ones(4)})

@@ -70,6 +70,7 @@ from pyro.infer.autoguide.initialization import init_to_sample
 from torch import Tensor
 from torch.distributions import biject_to
 
+from ..._validation import check_int
 from ...ops.moments import VARIANCE_CLAMP, DeviationBuffer, diagonal_variance, update_running_moments
 from ..util import is_real_support, latent_supports
 
@@ -109,8 +110,7 @@ class SWAGCollector:
         dtype: torch.dtype | None = None,
         supports: Mapping[str, constraints.Constraint] | None = None,
     ) -> None:
-        if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
-            raise ValueError(f"SWAGCollector: `max_rank` must be an int >= 1, got {max_rank!r}")
+        check_int(max_rank, "max_rank", owner="SWAGCollector")
         if isinstance(var_clamp, bool) or not isinstance(var_clamp, (int, float)) or not var_clamp > 0:
             raise ValueError(f"SWAGCollector: `var_clamp` must be a number > 0, got {var_clamp!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -233,10 +233,8 @@ class SWAGCollector:
         :param int every: steps between collections (``steps_per_epoch`` for once per epoch), >= 1.
         :param int start: the number of steps before collection starts (``swa_start`` epochs x steps per epoch).
         """
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"SWAGCollector.callback: `every` must be an int >= 1, got {every!r}")
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"SWAGCollector.callback: `start` must be an int >= 0, got {start!r}")
+        check_int(every, "every", owner="SWAGCollector.callback")
+        check_int(start, "start", minimum=0, owner="SWAGCollector.callback")
 
         def callback(step: int) -> None:
             done = step + 1 - start
@@ -248,8 +246,7 @@ class SWAGCollector:
     def mcmc_hook(self, every: int = 1) -> Callable[[object, Mapping[str, Tensor], str, int], None]:
         """A ``hook_fn`` for :class:`pyro.infer.MCMC` collecting every ``every``-th sample of the sampling phase
         (not warm-up) from the kernel's unconstrained state (:meth:`collect_unconstrained`)."""
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"SWAGCollector.mcmc_hook: `every` must be an int >= 1, got {every!r}")
+        check_int(every, "every", owner="SWAGCollector.mcmc_hook")
 
         def hook(kernel: object, params: Mapping[str, Tensor], stage: str, i: int) -> None:
             if stage.startswith("Sample") and i % every == 0:

@@ -44,6 +44,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import kl_divergence, transform_to
 
+from ..._validation import check_int
 from ...distributed import all_reduce_mean, check_distributed
 from ...ops.fisher import (
     conjugate_gradient,
@@ -178,8 +179,7 @@ class KLBallELBO(Trace_ELBO):
             raise ValueError(f"KLBallELBO: `fisher` must be one of {FISHER}, got {fisher!r}")
         if isinstance(kl_weight, bool) or not (isinstance(kl_weight, (int, float)) and 0 <= kl_weight < math.inf):
             raise ValueError(f"KLBallELBO: `kl_weight` must be a finite number >= 0, got {kl_weight!r}")
-        if isinstance(cg_iterations, bool) or not isinstance(cg_iterations, int) or cg_iterations < 1:
-            raise ValueError(f"KLBallELBO: `cg_iterations` must be an int >= 1, got {cg_iterations!r}")
+        check_int(cg_iterations, "cg_iterations", owner="KLBallELBO")
         if isinstance(cg_damping, bool) or not (isinstance(cg_damping, (int, float)) and 0 <= cg_damping < math.inf):
             raise ValueError(f"KLBallELBO: `cg_damping` must be a finite number >= 0, got {cg_damping!r}")
         if not isinstance(distributed, bool):

@@ -39,6 +39,7 @@ JIT compilation is not offered: ``torch.jit.trace`` would freeze the subsample i
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections import OrderedDict
@@ -323,6 +324,32 @@ class StochasticGradientKernel(MCMCKernel):
             elif transitions >= self.thinning:
                 return params
 
+    def set_model_args(self, *args: object, **kwargs: object) -> None:
+        """Give the model new arguments for the following gradient evaluations (after :meth:`setup`): a driver that
+        feeds external minibatches (e.g. augmented images from a ``DataLoader``, with ``num_data=N``) calls it before
+        each :meth:`sample`. Every gradient evaluation until the next call sees these arguments.
+
+        :raises ValueError: if the kernel was built with ``potential_fn`` (it has no model arguments), or before
+            :meth:`setup`.
+        """
+        potential = self.potential_fn if self.model is not None else None
+        if not isinstance(potential, ModelPotential):  # e.g. EntropyMCMC's coupled potential wraps the model's
+            potential = getattr(potential, "potential", None)
+        if not isinstance(potential, ModelPotential):
+            raise ValueError(f"{type(self).__name__}.set_model_args: needs a kernel built on a model, after setup()")
+        potential.model_args, potential.model_kwargs = tuple(args), dict(kwargs)
+
+    def state_dict(self) -> dict:
+        """The chain's bookkeeping (step counter, divergence record, ...) and per-chain state (momenta, inner chains),
+        to resume a chain exactly with :meth:`load_state_dict` after :meth:`setup` (the parameters themselves are the
+        driver's: ``MCMC`` passes them to :meth:`sample`)."""
+        return {"sampler": dataclasses.asdict(self._state), "chain": self._chain_state()}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a :meth:`state_dict` (call after :meth:`setup`)."""
+        self._state = SamplerState(**state["sampler"])
+        self._load_chain_state(state["chain"])
+
     def logging(self) -> OrderedDict:
         """The progress bar's fields: the last step size and the potential energy at the last divergence check (no
         host synchronisation)."""
@@ -366,6 +393,13 @@ class StochasticGradientKernel(MCMCKernel):
 
     def _cleanup_chain(self) -> None:
         """Hook: drop per-chain state."""
+
+    def _chain_state(self) -> dict:
+        """Hook: the per-chain state :meth:`state_dict` saves (default: none)."""
+        return {}
+
+    def _load_chain_state(self, state: Mapping) -> None:
+        """Hook: restore :meth:`_chain_state`."""
 
     def _transition(self, params: Params) -> Params:
         raise NotImplementedError

@@ -3,7 +3,7 @@ r"""Entropy-SGD: a nested chain that descends the local entropy (kept as a compa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
@@ -127,6 +127,12 @@ class EntropySGD(StochasticGradientKernel):
     def _cleanup_chain(self) -> None:
         self._inner = {}
         self.last_inner_mean = {}
+
+    def _chain_state(self) -> dict:
+        return {"inner": dict(self._inner), "last_inner_mean": dict(self.last_inner_mean)}
+
+    def _load_chain_state(self, state: Mapping) -> None:
+        self._inner, self.last_inner_mean = dict(state["inner"]), dict(state["last_inner_mean"])
 
     def inner_loop(self, outer: Params) -> Params:
         r"""Run the :math:`L` inner SGLD steps around the fixed outer value ``outer`` and return the running mean

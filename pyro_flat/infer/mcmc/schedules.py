@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from ..._validation import check_int
+
 __all__ = ["StepSizeSchedule", "ConstantStepSize", "PolynomialDecay", "CyclicalStepSize", "as_schedule"]
 
 
@@ -31,12 +33,6 @@ def _positive(value: object, name: str, owner: str, *, allow_zero: bool = False)
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{owner}: expected {name} to be a finite number {bound}, got {value!r}")
     return float(value)
-
-
-def _count(value: object, name: str, owner: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: expected {name} to be an int >= 1, got {value!r}")
-    return value
 
 
 class StepSizeSchedule:
@@ -123,7 +119,7 @@ class CyclicalStepSize(StepSizeSchedule):
     ) -> None:
         owner = "CyclicalStepSize"
         self.initial_step_size = _positive(initial_step_size, "initial_step_size", owner)
-        self.cycle_length = _count(cycle_length, "cycle_length", owner)
+        self.cycle_length = check_int(cycle_length, "cycle_length", owner=owner)
         self.final_step_size = _positive(final_step_size, "final_step_size", owner, allow_zero=True)
         if self.final_step_size > self.initial_step_size:
             raise ValueError(f"{owner}: expected final_step_size <= initial_step_size, got {final_step_size!r}")
@@ -131,7 +127,7 @@ class CyclicalStepSize(StepSizeSchedule):
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
             raise ValueError(f"{owner}: expected exploration_fraction in [0, 1), got {frac!r}")
         self.exploration_fraction = float(frac)
-        self.samples_per_cycle = _count(samples_per_cycle, "samples_per_cycle", owner)
+        self.samples_per_cycle = check_int(samples_per_cycle, "samples_per_cycle", owner=owner)
         first_sampling = math.ceil(self.exploration_fraction * self.cycle_length)
         stage = self.cycle_length - first_sampling
         if self.samples_per_cycle > stage:

@@ -3,7 +3,7 @@ r"""Stochastic gradient Hamiltonian Monte Carlo (with friction) as a :class:`~py
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from pyro.infer.autoguide.initialization import init_to_median
@@ -82,6 +82,12 @@ class SGHMC(StochasticGradientKernel):
 
     def _cleanup_chain(self) -> None:
         self._momentum = {}
+
+    def _chain_state(self) -> dict:
+        return {"momentum": dict(self._momentum)}
+
+    def _load_chain_state(self, state: Mapping) -> None:
+        self._momentum = dict(state["momentum"])
 
     def _transition(self, params: Params) -> Params:
         step_size, temperature = self._step_parameters(self._state.step)

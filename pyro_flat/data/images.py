@@ -1,0 +1,334 @@
+r"""Image datasets at scale: the standard augmentation, and ``DataLoader`` s whose batches do not depend on workers.
+
+:func:`load_vision_data` reads CIFAR-10/100, SVHN, MNIST or FashionMNIST from a local folder
+(:func:`~pyro_flat.data.load_vision_dataset`, never downloads) into a :class:`VisionData`: a
+:class:`~pyro_flat.data.ClassificationData` whose tensors hold the normalised images (for evaluation, BatchNorm
+refreshes and in-model subsampling) and which also keeps the ``uint8`` training images for augmented loaders.
+:meth:`VisionData.train_batches` is a :class:`~torch.utils.data.DataLoader` (workers, pinned memory) over augmented
+minibatches, for SVI steps and kernels called with ``num_data=N`` — augmented images are new at every step, so they
+cannot live inside the model's tensor.
+
+**The augmentation** (:func:`augment`): zero-pad by 4 pixels and take a random crop of the original size, flip
+horizontally with probability 1/2 (not for the digit datasets, SVHN and MNIST), then normalise each channel by the
+training set's mean and standard deviation — torchvision's ``RandomCrop(32, padding=4)``,
+``RandomHorizontalFlip()`` and ``Normalize(mean, std)``.
+
+**Why not torchvision's transforms.** They draw from the global random state of the process that applies them, so a
+batch depends on the number of workers, on which worker built it, and on every batch before it. Here each minibatch
+is a pure function of ``(seed, epoch, batch index)``: the epoch's order is a permutation drawn from a generator seeded
+by ``(seed, epoch)``, and the batch's crops and flips come from a generator seeded by ``(seed, epoch, batch)``. A
+run is then the same with 0 or 16 workers, and a killed run resumes mid-epoch at exactly the next batch
+(:class:`EpochBatches`); data-parallel ranks take equal shards of the *same* augmented global batch.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .datasets import ClassificationData
+from .real import feature_shuffled
+from .vision import load_vision_dataset
+
+__all__ = ["EpochBatches", "ImageBatches", "VisionData", "augment", "load_vision_data", "write_synthetic_cifar"]
+
+FLIPS = {"cifar10": True, "cifar100": True, "svhn": False, "mnist": False, "fashionmnist": True}
+"""Whether the standard augmentation of a dataset flips images horizontally (never for digits)."""
+
+
+def _seed(*entropy: int) -> int:
+    """A 63-bit seed mixing ``entropy`` (numpy's ``SeedSequence``: nearby inputs give unrelated seeds)."""
+    return int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def augment(images: Tensor, generator: torch.Generator, *, pad: int = 4, flip: bool = True) -> Tensor:
+    """The standard augmentation of a batch: zero padding by ``pad`` pixels, a random crop of the original size (offsets
+    uniform in ``[0, 2 pad]``), a horizontal flip with probability 1/2 if ``flip``.
+
+    :param images: ``[B, C, H, W]`` images (any dtype; ``uint8`` in the loaders).
+    :param generator: the CPU generator of the offsets and flips (drawn for the whole batch at once, in the order
+        rows, columns, flips).
+    :returns: a new tensor of the same shape and dtype.
+    """
+    if images.dim() != 4:
+        raise ValueError(f"augment: expected images [B, C, H, W], got shape {tuple(images.shape)}")
+    b, _, h, w = images.shape
+    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
+    top = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    left = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    rows = (top[:, None] + torch.arange(h))[:, None, :, None]  # [B, 1, H, 1]
+    cols = (left[:, None] + torch.arange(w))[:, None, None, :]  # [B, 1, 1, W]
+    out = padded[torch.arange(b)[:, None, None, None], torch.arange(images.shape[1])[None, :, None, None], rows, cols]
+    if flip:
+        flips = torch.rand(b, generator=generator) < 0.5
+        out = torch.where(flips[:, None, None, None], out.flip(-1), out)
+    return out
+
+
+class ImageBatches(Dataset):
+    """Minibatches of normalised float32 images, one per key ``(indices, seed, start, stop)``.
+
+    ``indices`` are the examples of a (global) minibatch; with a ``seed`` the batch is augmented (:func:`augment`
+    with a generator seeded by it) and ``[start:stop]`` of it returned (a data-parallel rank's shard), else
+    the images are only normalised. A map-style dataset for a ``DataLoader`` with ``batch_size=None``.
+
+    :param images: ``uint8`` images ``[N, C, H, W]`` on the CPU.
+    :param targets: ``int64`` labels ``[N]``.
+    :param mean: per-channel mean of ``images / 255``.
+    :param std: per-channel standard deviation of ``images / 255``.
+    :param flip: whether the augmentation flips.
+    """
+
+    def __init__(self, images: Tensor, targets: Tensor, mean: Tensor, std: Tensor, *, flip: bool = True) -> None:
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(
+                f"ImageBatches: expected uint8 images [N, C, H, W], got {images.dtype} {tuple(images.shape)}"
+            )
+        self.images, self.targets = images, targets.cpu()
+        self.scale = (1.0 / (255.0 * std)).to(torch.float32).reshape(1, -1, 1, 1)
+        self.shift = (mean / std).to(torch.float32).reshape(1, -1, 1, 1)
+        self.flip = flip
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: tuple[Tensor, int | None, int, int]) -> tuple[Tensor, Tensor]:
+        indices, seed, start, stop = key
+        images = self.images[indices]
+        if seed is not None:
+            images = augment(images, torch.Generator().manual_seed(seed), flip=self.flip)
+        images = images[start:stop]
+        return images.to(torch.float32) * self.scale - self.shift, self.targets[indices[start:stop]]
+
+
+@dataclass
+class EpochBatches(Sampler):
+    """The keys of :class:`ImageBatches` for one epoch, from batch ``start`` on: a permutation of ``num_data`` drawn
+    from a generator seeded by ``(seed, epoch)``, cut into global batches of ``batch_size``, each with its augmentation
+    seed ``(seed, epoch, batch)`` (``None`` without augmentation) and this rank's shard ``[rank B/R, (rank + 1) B/R)``.
+
+    :param num_data: :math:`N`.
+    :param batch_size: the global batch size :math:`B` (divisible by ``world_size``).
+    :param seed: the stream's seed.
+    :param epoch: the epoch (0-based).
+    :param start: the first batch of the epoch to yield (to resume mid-epoch).
+    :param augment: draw augmentation seeds.
+    :param drop_last: drop the last incomplete batch (always with several ranks: shards must be equal).
+    :param rank: this process's rank :math:`r`.
+    :param world_size: the number of ranks :math:`R`.
+    """
+
+    num_data: int
+    batch_size: int
+    seed: int
+    epoch: int = 0
+    start: int = 0
+    augment: bool = True
+    drop_last: bool = False
+    rank: int = 0
+    world_size: int = 1
+    _shard: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.world_size:
+            raise ValueError(
+                f"the batch size {self.batch_size} must be divisible by the number of processes {self.world_size}"
+            )
+        if self.batch_size > self.num_data:
+            raise ValueError(f"the batch size {self.batch_size} exceeds the number of examples {self.num_data}")
+        self._shard = self.batch_size // self.world_size
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_data, self.batch_size)
+        return full + (rest > 0 and not self.drop_last and self.world_size == 1)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, int | None, int, int]]:
+        generator = torch.Generator().manual_seed(_seed(self.seed, self.epoch))
+        order = torch.randperm(self.num_data, generator=generator)
+        for batch in range(self.start, len(self)):
+            indices = order[batch * self.batch_size : (batch + 1) * self.batch_size]
+            seed = _seed(self.seed, self.epoch, batch) if self.augment else None
+            shard = len(indices) if self.world_size == 1 else self._shard
+            yield indices, seed, self.rank * shard, (self.rank + 1) * shard
+
+
+@dataclass(eq=False)
+class VisionData(ClassificationData):
+    """A :class:`~pyro_flat.data.ClassificationData` of images that also keeps the raw training images for augmented
+    minibatches (:meth:`train_batches`).
+
+    ``x_train``, ``x_test`` (and ``x_ood``, the test images with their pixels shuffled) hold the normalised images,
+    flattened if the data were loaded with ``flatten=True``.
+
+    :param images: ``uint8`` training images ``[N, C, H, W]``, kept on the CPU.
+    :param mean: per-channel mean of the training images (in ``[0, 1]``), float64 ``[C]``.
+    :param std: per-channel standard deviation, float64 ``[C]``.
+    :param flip: whether the augmentation flips horizontally.
+    """
+
+    images: Tensor | None = None
+    mean: Tensor | None = None
+    std: Tensor | None = None
+    flip: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.images is None or self.mean is None or self.std is None:
+            raise ValueError("VisionData: expected `images`, `mean` and `std`")
+        if self.images.dtype != torch.uint8 or self.images.dim() != 4 or len(self.images) != len(self.y_train):
+            raise ValueError(f"VisionData: expected uint8 images [{len(self.y_train)}, C, H, W], got "
+                             f"{self.images.dtype} {tuple(self.images.shape)}")
+
+    def _derived(self, train_index: Tensor, **changes: object) -> VisionData:
+        base = super()._derived(train_index, **changes)
+        return VisionData(**vars(base), images=self.images[train_index.cpu()], mean=self.mean, std=self.std,
+                          flip=self.flip)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> VisionData:
+        """A copy with the tensors on ``device`` and inputs in ``dtype``; the raw images stay on the CPU (the
+        loaders' workers read them there)."""
+        base = super().to(device, dtype)
+        return VisionData(**vars(base), images=self.images, mean=self.mean, std=self.std, flip=self.flip)
+
+    def train_batches(
+        self,
+        batch_size: int,
+        *,
+        seed: int,
+        epoch: int = 0,
+        start: int = 0,
+        augment: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> DataLoader:
+        """One epoch of ``(x, y)`` minibatches (float32 normalised images ``[b, C, H, W]`` on the CPU, ``int64``
+        labels), from batch ``start`` on; see :class:`EpochBatches` for the arguments. The batches are the same for
+        any ``num_workers``."""
+        batches = ImageBatches(self.images, self.y_train, self.mean, self.std, flip=self.flip)
+        sampler = EpochBatches(len(self.images), batch_size, seed, epoch, start, augment, drop_last, rank, world_size)
+        return DataLoader(batches, batch_size=None, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                          persistent_workers=False)
+
+
+def _channel_moments(images: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and standard deviation of ``images / 255`` (float64, in chunks)."""
+    total = torch.zeros(images.shape[1], dtype=torch.float64)
+    squares = torch.zeros_like(total)
+    for part in images.split(chunk):
+        values = part.to(torch.float64) / 255
+        total += values.sum(dim=(0, 2, 3))
+        squares += values.square().sum(dim=(0, 2, 3))
+    count = images.numel() / images.shape[1]
+    mean = total / count
+    return mean, (squares / count - mean.square()).clamp_min(1e-12).sqrt()
+
+
+def _as_nchw(data: np.ndarray) -> Tensor:
+    array = data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2)  # [N, H, W] or NHWC -> NCHW
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def load_vision_data(
+    name: str,
+    root: str | Path,
+    *,
+    flatten: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    ood_seed: int = 0,
+) -> VisionData:
+    """Read an image dataset from ``root`` (layout: :mod:`pyro_flat.data.vision`) into a :class:`VisionData`.
+
+    :param name: ``"cifar10"``, ``"cifar100"``, ``"svhn"``, ``"mnist"`` or ``"fashionmnist"``.
+    :param root: the folder holding the dataset's original files.
+    :param flatten: flatten the images of ``x_train``/``x_test`` (for an MLP); the loaders follow.
+    :param device: where ``x_train``, ``x_test`` and the labels live.
+    :param dtype: their floating dtype (default: torch's default).
+    :param ood_seed: seed of the pixel permutations of ``x_ood``.
+    """
+    train = load_vision_dataset(name, root, train=True)
+    test = load_vision_dataset(name, root, train=False)
+    images, test_images = _as_nchw(train.data), _as_nchw(test.data)
+    mean, std = _channel_moments(images)
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+
+    def normalised(x: Tensor) -> Tensor:
+        x = ((x.to(torch.float64) / 255 - mean[:, None, None]) / std[:, None, None]).to(dtype)
+        return (x.flatten(1) if flatten else x).to(device)
+
+    x_test = normalised(test_images)
+    return VisionData(
+        name=train.name,
+        x_train=normalised(images),
+        y_train=train.targets.to(device),
+        x_test=x_test,
+        y_test=test.targets.to(device),
+        num_classes=train.num_classes,
+        x_ood=feature_shuffled(x_test, ood_seed),
+        images=images,
+        mean=mean,
+        std=std,
+        flip=FLIPS[train.name],
+    )
+
+
+
+def write_synthetic_cifar(
+    root: str | Path, name: str = "cifar10", *, num_train: int = 500, num_test: int = 100, seed: int = 0
+) -> Path:
+    """Write a folder in the real on-disk format of CIFAR-10 (``cifar-10-batches-py/data_batch_1`` .. ``5``,
+    ``test_batch``, ``batches.meta``) or CIFAR-100 (``cifar-100-python/train``, ``test``, ``meta``) holding random
+    32x32 images — for smoke runs and tests of the whole pipeline without the real data (nothing is downloaded).
+
+    Every image is uniform noise plus a colour offset of its class, so a network can learn a little from it; the
+    classes are balanced (as even as ``num_train`` and ``num_test`` allow).
+
+    :param root: the dataset root (what ``--data-root`` receives).
+    :param name: ``"cifar10"`` or ``"cifar100"``.
+    :param num_train: training images (split over the five CIFAR-10 batches).
+    :param num_test: test images.
+    :param seed: the seed of the images and labels.
+    :returns: the dataset's folder.
+    """
+    if name not in ("cifar10", "cifar100"):
+        raise ValueError(f"write_synthetic_cifar: `name` must be 'cifar10' or 'cifar100', got {name!r}")
+    rng = np.random.default_rng(seed)
+    num_classes = 10 if name == "cifar10" else 100
+    colours = rng.integers(-60, 61, size=(num_classes, 3))
+
+    def batch(n: int) -> tuple[np.ndarray, list[int]]:
+        labels = rng.permutation(np.arange(n) % num_classes)  # balanced: every class as often as n allows
+        noise = rng.integers(0, 196, size=(n, 3, 1024))
+        images = np.clip(noise + 30 + colours[labels][:, :, None], 0, 255).astype(np.uint8).reshape(n, 3072)
+        return images, labels.tolist()
+
+    def dump(path: Path, entry: dict) -> None:
+        with path.open("wb") as handle:
+            pickle.dump(entry, handle)
+
+    folder = Path(root) / ("cifar-10-batches-py" if name == "cifar10" else "cifar-100-python")
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "cifar10":
+        for i, part in enumerate(np.array_split(np.arange(num_train), 5), start=1):
+            data, labels = batch(len(part))
+            dump(folder / f"data_batch_{i}", {b"data": data, b"labels": labels, b"batch_label": b"synthetic"})
+        data, labels = batch(num_test)
+        dump(folder / "test_batch", {b"data": data, b"labels": labels, b"batch_label": b"synthetic"})
+        dump(folder / "batches.meta", {b"label_names": [f"class{c}".encode() for c in range(10)], b"num_vis": 3072})
+    else:
+        for split, n in (("train", num_train), ("test", num_test)):
+            data, labels = batch(n)
+            dump(folder / split, {b"data": data, b"fine_labels": labels, b"coarse_labels": [c // 5 for c in labels]})
+        dump(folder / "meta", {b"fine_label_names": [f"class{c}".encode() for c in range(100)],
+                               b"coarse_label_names": [f"super{c}".encode() for c in range(20)]})
+    return folder

@@ -1,0 +1,235 @@
+"""Long runs that lose nothing: a run killed (SIGKILL, a real subprocess) after some checkpoints and resumed ends bit
+for bit where an uninterrupted run ends; divergence keeps the last good checkpoint; writes are atomic; the per-epoch
+log and the curves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyro_flat.bench import METHODS, MethodSpec, RunConfig
+from pyro_flat.bench.loop import RunContext, atomic_save
+from pyro_flat.bench.problem import Posterior, run_svi
+from pyro_flat.bench.runner import job_name, run_benchmark
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = RunConfig(hidden=(16,), num_epochs=3, lr=1e-2, num_bma_samples=2, lambda_max_draws=1, lambda_max_points=16,
+                 lambda_max_iters=2)
+# hwa: two phases (SVI, then SVI with a cyclical schedule and the HWA collector); emcmc: a kernel. 6 epochs of 10
+# steps each, a checkpoint every 5 steps.
+METHODS_RUN = ("hwa", "emcmc")
+ARGS = ["bench", "--datasets", "digits", "--methods", *METHODS_RUN, "--epochs", "6", "--hidden", "16",
+        "--bma-samples", "2", "--lambda-max-draws", "1", "--lambda-max-points", "32", "--lambda-max-iters", "2",
+        "--checkpoint-every", "5", "--no-progress"]
+
+
+def _launch(out: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CI="1")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"stderr{len(list(out.glob('stderr*')))}.txt", "w") as log:  # the child keeps its own copy
+        return subprocess.Popen([sys.executable, "-m", "pyro_flat", *ARGS, "--out", str(out), *extra], env=env,
+                                stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _errors(out: Path) -> str:
+    return "\n".join(p.read_text()[-2000:] for p in sorted(out.glob("stderr*")))
+
+
+def _kill_when(process: subprocess.Popen, checkpoint: Path, phase: int, saves: int) -> dict:
+    """SIGKILL ``process`` once ``checkpoint`` (written atomically, so always readable) is at ``phase`` with at least
+    ``saves`` checkpoints written in it; returns what it held."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended before it could be killed: {_errors(checkpoint.parents[2])}")
+        if checkpoint.exists():
+            state = torch.load(checkpoint, weights_only=False)
+            if state["phase"] == phase and state["step"] >= saves * 5:
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                return state
+        time.sleep(0.005)
+    process.kill()
+    raise AssertionError("timed out waiting for the checkpoint")
+
+
+def _records(out: Path) -> dict[str, dict]:
+    return {job: torch.load(out / "checkpoints" / job / "record.pt", weights_only=False)
+            for job in (job_name("digits", m, 0) for m in METHODS_RUN)}
+
+
+def test_a_killed_run_resumes_bit_for_bit(tmp_path):
+    reference = _launch(tmp_path / "reference")
+    killed = tmp_path / "killed"
+    run = _launch(killed)
+    # killed inside hwa's second phase (its first phase done), then again inside emcmc's chain (hwa done)
+    first = _kill_when(run, killed / "checkpoints" / job_name("digits", "hwa", 0) / "checkpoint.pt", 1, 3)
+    assert first["num_saves"] > 3 and not (killed / "table.md").exists()
+    run = _launch(killed, "--resume")
+    second = _kill_when(run, killed / "checkpoints" / job_name("digits", "emcmc", 0) / "checkpoint.pt", 0, 4)
+    assert second["step"] < 60
+    final = _launch(killed, "--resume")
+    assert final.wait(timeout=300) == 0, _errors(killed)
+    assert reference.wait(timeout=300) == 0, _errors(tmp_path / "reference")
+
+    ours, theirs = _records(killed), _records(tmp_path / "reference")
+    for job in ours:
+        assert ours[job]["metrics"] == theirs[job]["metrics"], job  # every float equal
+        assert torch.equal(ours[job]["test_probs"], theirs[job]["test_probs"]), job
+        assert [e["loss"] for e in ours[job]["entries"]] == [e["loss"] for e in theirs[job]["entries"]]
+    # the per-epoch log was rebuilt on resume: the same entries in the same order (times aside)
+    read = [[{k: v for k, v in json.loads(line).items() if k != "seconds"}
+             for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (killed, tmp_path / "reference")]
+    assert read[0] == read[1] and len(read[0]) == 2 * 6
+    table = json.loads((killed / "results.json").read_text())
+    assert [r["method"] for r in table["records"]] == list(METHODS_RUN)
+    assert (killed / "curves_digits.png").stat().st_size > 1000
+
+
+class _Killed(Exception):
+    pass
+
+
+def _interrupt_at(step: int, monkeypatch) -> None:
+    """Make the harness's loops raise ``_Killed`` at their ``step``-th step overall (across phases)."""
+    from pyro_flat.bench import loop
+
+    steps, original = [0], loop.TrainingLoop.__iter__
+
+    def interrupted(self):
+        for item in original(self):
+            steps[0] += 1
+            if steps[0] == step:
+                raise _Killed
+            yield item
+
+    monkeypatch.setattr(loop.TrainingLoop, "__iter__", interrupted)
+
+
+@pytest.mark.parametrize("method, kill_at", [("ensemble", 47), ("f_swag", 17), ("csgld", 23), ("bsam", 11)])
+def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, monkeypatch):
+    """The other families of state (ensemble members: phases; SAM/bSAM: torch optimizers, schedules, a SWAG
+    collector; cSGLD: a cyclical kernel), interrupted by an exception at a step instead of a kill."""
+    config = TINY.replace(num_epochs=4, ensemble_size=2)
+    reference = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "a",
+                              checkpoint_every=3)[0]
+    _interrupt_at(kill_at, monkeypatch)
+    with pytest.raises(_Killed):
+        run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
+                      checkpoint_every=3)
+    monkeypatch.undo()
+    resumed = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
+                            resume=True)[0]
+    assert resumed.metrics == reference.metrics and torch.equal(resumed.test_probs, reference.test_probs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method, kill_at", [("hwa", 33), ("emcmc", 23), ("f_swag", 17)])
+def test_resume_on_a_gpu(method, kill_at, tmp_path, monkeypatch):
+    """Checkpoints are read onto the CPU and their tensors moved back to the run's device (CUDA kernels may not be
+    deterministic: the resumed metrics are compared to a tolerance)."""
+    config = TINY.replace(num_epochs=4, device="cuda")
+    reference = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "a",
+                              checkpoint_every=3)[0]
+    _interrupt_at(kill_at, monkeypatch)
+    with pytest.raises(_Killed):
+        run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
+                      checkpoint_every=3)
+    monkeypatch.undo()
+    resumed = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
+                            resume=True)[0]
+    for key, value in reference.metrics.items():
+        assert resumed.metrics[key] == pytest.approx(value, rel=1e-3, abs=1e-4), key
+
+
+def test_resume_refuses_another_configuration(tmp_path):
+    run_benchmark(["digits"], ["map"], [0], TINY.replace(num_epochs=1), progress=False, checkpoint_dir=tmp_path)
+    (tmp_path / job_name("digits", "map", 0) / "record.pt").unlink()  # as if killed before the job ended
+    with pytest.raises(ValueError, match=r"belong to another configuration \(differences in \['config'\]\)"):
+        run_benchmark(["digits"], ["map"], [0], TINY.replace(num_epochs=1, lr=0.1), progress=False,
+                      checkpoint_dir=tmp_path, resume=True)
+
+
+def _poisoned(at_step: int):
+    """A MAP fit whose guide is poisoned with a NaN after step ``at_step`` (the next step then diverges)."""
+
+    def fit(problem):
+        model = problem.build_model()
+        from pyro.infer.autoguide import AutoDelta
+
+        from pyro_flat.nn import init_to_network
+
+        guide = AutoDelta(model, init_loc_fn=init_to_network(model))
+
+        def poison(step):
+            if step == at_step:
+                with torch.no_grad():
+                    next(guide.parameters()).fill_(float("nan"))
+
+        run_svi(problem, model, guide, callback=poison)
+        return Posterior.from_points(model, [guide.median()])
+
+    return fit
+
+
+def test_divergence_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setitem(METHODS, "poisoned", MethodSpec("poisoned", _poisoned(23), "MAP poisoned at step 23"))
+    with pytest.raises(FloatingPointError) as info:
+        run_benchmark(["digits"], ["poisoned"], [0], TINY, progress=False, checkpoint_dir=tmp_path,
+                      checkpoint_every=10)
+    message = str(info.value)
+    assert "digits/poisoned/seed 0" in message and "at step 24 of 30" in message
+    checkpoint = tmp_path / job_name("digits", "poisoned", 0) / "checkpoint.pt"
+    assert f"the last good checkpoint is kept in {checkpoint}" in message
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["step"] == 20 and all(torch.isfinite(v).all() for v in saved["state"]["guide"].values())
+
+
+def test_a_non_finite_state_is_never_written(tmp_path):
+    context = RunContext(label="job", directory=tmp_path, every=1)
+    good = {"phase": 0, "step": 5, "state": {"guide": {"w": torch.ones(3)}}, "entries": []}
+    context.save(good, complete=False)
+    bad = {"phase": 0, "step": 6, "state": {"guide": {"w": torch.tensor([1.0, float("inf")])}}, "entries": []}
+    with pytest.raises(FloatingPointError, match=r"job: guide.w is NaN or infinite at step 6 of phase 0; the "
+                                                 r"checkpoint was not written, the last good one is kept"):
+        context.save(bad, complete=False)
+    assert torch.load(context.checkpoint_path, weights_only=False)["step"] == 5
+
+
+def test_a_save_interrupted_midway_leaves_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    atomic_save({"step": 1}, path)
+
+    def dies_halfway(obj, handle):
+        handle.write(b"partial bytes")
+        raise KeyboardInterrupt  # the process stops in the middle of writing
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind
+
+
+def test_epoch_log_and_curves(tmp_path):
+    records = run_benchmark(["digits"], ["map", "vi"], [0], TINY, progress=False, metrics_log=tmp_path / "m.jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(e["job"], e["epoch"]) for e in lines] == [(f"digits/{m}/seed 0", k) for m in ("map", "vi")
+                                                        for k in (1, 2, 3)]
+    assert all(e["step"] == 10 * e["epoch"] and e["loss"] > 0 for e in lines)
+    assert records[0].entries == lines[:3]
+    # the mean loss of an epoch is the mean of its steps' losses (here: decreasing while MAP trains)
+    assert lines[2]["loss"] < lines[0]["loss"]
+    from pyro_flat.bench.report import plot_curves
+
+    plot_curves(tmp_path / "curves.png", records)
+    assert (tmp_path / "curves.png").stat().st_size > 1000
