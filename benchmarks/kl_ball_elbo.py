@@ -23,17 +23,8 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_timing import (
-    BATCH,
-    HIDDEN,
-    INIT_SCALE,
-    PyroStep,
-    TorchBBB,
-    environment,
-    interleaved_times,
-    medians_ms,
-    timing_rows,
-)
+from _svi_steps import BATCH, HIDDEN, INIT_SCALE, PyroStep, TorchBBB
+from _timing import environment, interleaved_times, medians_ms, timing_rows
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 

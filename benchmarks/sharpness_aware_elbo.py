@@ -25,17 +25,8 @@ from pathlib import Path
 import pyro
 import torch
 from _report import write_markdown
-from _svi_timing import (
-    BATCH,
-    HIDDEN,
-    INIT_SCALE,
-    PyroStep,
-    TorchBBB,
-    environment,
-    interleaved_times,
-    medians_ms,
-    timing_rows,
-)
+from _svi_steps import BATCH, HIDDEN, INIT_SCALE, PyroStep, TorchBBB
+from _timing import environment, interleaved_times, medians_ms, timing_rows
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 

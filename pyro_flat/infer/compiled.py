@@ -91,9 +91,12 @@ class _TensorSpec:
     def of(cls, t: Tensor) -> _TensorSpec:
         return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
-    def make(self) -> Tensor:
+    def make(self, fill: bool = False) -> Tensor:
+        """A tensor with this metadata, filled with NaN (zeros for integers) if ``fill``, else uninitialised."""
         out = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-        return out.fill_(math.nan if self.dtype.is_floating_point or self.dtype.is_complex else 0)
+        if fill:
+            out.fill_(math.nan if self.dtype.is_floating_point or self.dtype.is_complex else 0)
+        return out
 
 
 _UNDECLARED_WRITES = {  # operations that update BatchNorm running statistics without declaring it in their schema
@@ -129,6 +132,12 @@ class _Draw:
 
         self.args = pytree.tree_map(spec, args)
         self.kwargs = pytree.tree_map(spec, kwargs)
+        # where the tensors go, when they are top-level arguments (always, for torch's random operations)
+        self._tensor_args = [(i, a) for i, a in enumerate(self.args) if isinstance(a, _TensorSpec)]
+        self._tensor_kwargs = [(k, a) for k, a in self.kwargs.items() if isinstance(a, _TensorSpec)]
+        flat = pytree.tree_leaves((self.args, self.kwargs))
+        self._nested = sum(isinstance(a, _TensorSpec) for a in flat) != len(self._tensor_args) + len(
+            self._tensor_kwargs)
 
     def signature(self) -> tuple:
         return (self.func, repr(self.args), repr(sorted(self.kwargs.items())))
@@ -142,11 +151,18 @@ class _Draw:
             return result[1]
         return result
 
-    def __call__(self) -> Tensor:
-        def make(a: Any) -> Any:
-            return a.make() if isinstance(a, _TensorSpec) else a
-
-        args, kwargs = pytree.tree_map(make, self.args), pytree.tree_map(make, self.kwargs)
+    def __call__(self, fill: bool = False) -> Tensor:
+        """Draw again: the operation on fresh tensors of the recorded metadata (NaN-filled with ``fill``)."""
+        if self._nested:
+            args, kwargs = pytree.tree_map(lambda a: a.make(fill) if isinstance(a, _TensorSpec) else a,
+                                           (self.args, self.kwargs))
+        else:
+            args, kwargs = list(self.args), dict(self.kwargs)
+            for i, a in self._tensor_args:
+                args[i] = a.make(fill)
+            for k, a in self._tensor_kwargs:
+                kwargs[k] = a.make(fill)
+            args = tuple(args)
         return self.value(args, kwargs, self.func(*args, **kwargs))
 
     def __repr__(self) -> str:
@@ -206,7 +222,7 @@ def _check_draws(record: _RecordDraws, start: tuple, end: tuple) -> None:
     _set_random_state(start, record.devices)
     try:
         for draw, value in zip(record.draws, record.values, strict=True):
-            again = draw()
+            again = draw(fill=True)
             if again.shape != value.shape or not torch.equal(again, value):
                 raise CaptureError(
                     f"the random operation {draw.func}, repeated from the generator's state before the step, does not "

@@ -12,7 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture(autouse=True)
 def _float32_and_threads(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their shared module `_svi_timing`
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import `_svi_steps` and `_timing`
     threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
     yield
     torch.set_num_threads(threads)

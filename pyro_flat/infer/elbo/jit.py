@@ -25,6 +25,7 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
+from pyro.poutine.runtime import _PYRO_STACK
 from pyro.util import warn_if_nan
 from torch import Tensor
 from torch.distributions import kl_divergence
@@ -73,7 +74,12 @@ class _Jit:
             return loss
 
         def inputs() -> list[Tensor]:
-            return [pyro.param(name).unconstrained() for name in self._param_names[key]] + tensors
+            names = self._param_names[key]
+            if not _PYRO_STACK:  # nothing observes the parameter statements (e.g. a torch optimiser on ELBOModule)
+                store = pyro.get_param_store()._params
+                return [store[name] for name in names] + tensors
+            # like JitTrace_ELBO: the statements reach the enclosing handlers (SVI collects the parameters there)
+            return [pyro.param(name).unconstrained() for name in names] + tensors
 
         return self._compiled(key, step, inputs)
 

@@ -1,20 +1,16 @@
-"""Shared pieces of the SVI step-time benchmarks (``sharpness_aware_elbo.py``, ``kl_ball_elbo.py``).
+"""Shared SVI steps of the step-time benchmarks (``sharpness_aware_elbo.py``, ``kl_ball_elbo.py``); timing is
+``_timing.py``'s.
 
 * :class:`PyroStep`: one ``SVI.step`` of a :class:`~pyro_flat.nn.BayesianMLP` on digits in its own parameter-store
   scope;
 * :class:`TorchBBB`: a hand-written mean-field Bayes-by-backprop step with the same arithmetic as ``Trace_ELBO`` +
   ``AutoNormal`` (sampled weights ``loc + softplus(u) * eps``, sampled log prior and log guide, N/B-scaled
-  cross-entropy, one backward, Adam); subclasses replace :meth:`TorchBBB.likelihood_nll` to add a flat step;
-* :func:`interleaved_times`: every variant timed in every repeat, the order alternating between repeats (the
-  machine is shared and noisy), and :func:`timing_rows` for the markdown table.
+  cross-entropy, one backward, Adam); subclasses replace :meth:`TorchBBB.likelihood_nll` to add a flat step.
 """
 
 from __future__ import annotations
 
 import math
-import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import pyro
@@ -97,42 +93,3 @@ class TorchBBB:
         self.optim.zero_grad()
         loss.backward()
         self.optim.step()
-
-
-def time_steps(variant, steps: int) -> float:
-    """Seconds per step of ``steps`` consecutive steps of ``variant``."""
-    variant.enter()
-    start = time.perf_counter()
-    for _ in range(steps):
-        variant.step()
-    elapsed = time.perf_counter() - start
-    variant.exit()
-    return elapsed / steps
-
-
-def interleaved_times(variants: dict, repeats: int, steps: int) -> dict[str, list[float]]:
-    """Seconds per step of every variant in every repeat; the order alternates between repeats."""
-    times = {name: [] for name in variants}
-    for repeat in range(repeats):
-        order = list(variants) if repeat % 2 == 0 else list(reversed(variants))
-        for name in order:
-            times[name].append(time_steps(variants[name], steps))
-    return times
-
-
-def medians_ms(times: dict[str, list[float]]) -> dict[str, float]:
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
-def timing_rows(times: dict[str, list[float]]) -> list[str]:
-    """The markdown table ``variant | median | min | max`` (milliseconds)."""
-    med = medians_ms(times)
-    lines = ["| variant | median step (ms) | min | max |", "|---|---|---|---|"]
-    for name, t in times.items():
-        lines.append(f"| {name} | {med[name]:.2f} | {min(t) * 1e3:.2f} | {max(t) * 1e3:.2f} |")
-    return lines
-
-
-def environment() -> str:
-    return (f"torch {torch.__version__}, pyro {pyro.__version__}, Python {platform.python_version()}, "
-            f"{platform.machine()}, shared 2-core machine.")
