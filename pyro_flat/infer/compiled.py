@@ -454,17 +454,19 @@ def _same(eager: Any, replayed: Any) -> bool:
     return True
 
 
-def capture(fn: Callable[[], Any], inputs: Sequence[Tensor]) -> tuple[Any, CapturedFunction | CaptureError]:
-    """Run the step ``fn()`` eagerly and capture it as a pure function of ``inputs`` and of its random draws.
+def capture(
+    fn: Callable[[], Any], inputs: Callable[[], Sequence[Tensor]]
+) -> tuple[Any, CapturedFunction | CaptureError]:
+    """Run the step ``fn()`` eagerly and capture it as a pure function of ``inputs()`` and of its random draws.
 
-    :param fn: the step, a function of nothing returning a pytree of tensors; it reads ``inputs`` (the very tensor
+    :param fn: the step, a function of nothing returning a pytree of tensors; it reads the input tensors (the very
         objects) wherever it likes (as the model's arguments, through ``pyro.param``, ...).
-    :param inputs: the tensors that change from call to call (parameters, latent values, data).
+    :param inputs: returns the tensors that change from call to call (parameters, latent values, data), in the order
+        the captured function takes them; called after the eager run (which may create them).
     :returns: ``(outputs, captured)``: the eager step's outputs (the step was run exactly once, side effects
         included) and the :class:`CapturedFunction`, or the :class:`CaptureError` saying why it cannot be captured.
         Exceptions raised by the step itself propagate.
     """
-    inputs = _unique(inputs)
     devices = _cuda_devices()
     start_state = _get_random_state(devices)
     with _RecordDraws(devices) as record:
@@ -473,7 +475,10 @@ def capture(fn: Callable[[], Any], inputs: Sequence[Tensor]) -> tuple[Any, Captu
     started = time.perf_counter()
     try:
         _check_draws(record, start_state, end_state)
-        captured = _trace(fn, inputs, record, outputs, started)
+        tensors = list(inputs())
+        if len(_unique(tensors)) != len(tensors):
+            raise CaptureError("the same tensor is given twice as an input")
+        captured = _trace(fn, tensors, record, outputs, started)
     except CaptureError as error:
         return outputs, error
     finally:
@@ -607,7 +612,7 @@ class CompiledCalls:
             self.entries[key] = _FIRST
             return fn()
         if entry is _FIRST:
-            outputs, captured = capture(fn, inputs())
+            outputs, captured = capture(fn, inputs)
             if isinstance(captured, CaptureError):
                 self.entries[key] = captured
                 self.fallback(str(captured))

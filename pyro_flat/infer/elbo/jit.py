@@ -70,7 +70,7 @@ class _Jit:
         def step() -> Tensor:
             with poutine.trace(param_only=True) as params:
                 loss = self._eager_loss(model, guide, args, kwargs)
-            self._param_names[key] = list(params.trace.nodes)
+            self._param_names[key] = sorted(params.trace.nodes)
             return loss
 
         def inputs() -> list[Tensor]:
