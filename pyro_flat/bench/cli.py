@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--epochs", type=int, default=None, help="override the preset's number of epochs")
     bench.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: preset's)")
     bench.add_argument("--dtype", choices=["float32", "float64"], default=None)
+    bench.add_argument("--compile", action="store_true", default=None,
+                       help="compiled flat objectives and kernels (JitSharpnessAwareELBO, ..., jit_compile=True)")
     bench.add_argument("--set", dest="options", type=_parse_option, action="append", default=[],
                        metavar="METHOD.KEY=VALUE", help="per-method hyperparameter, e.g. f_vi.rho=0.1")
     bench.add_argument("--out", type=Path, default=Path("results/quick"), help="output folder (default results/quick)")
@@ -78,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--set names unknown method {method!r}; known methods: {', '.join(METHODS)}")
         options.setdefault(method, {})[key] = value
     changes = {k: v for k, v in (("model", args.model), ("num_epochs", args.epochs), ("device", args.device),
-                                 ("dtype", args.dtype)) if v is not None}
+                                 ("dtype", args.dtype), ("compile", args.compile)) if v is not None}
     try:
         config = PRESETS[args.preset].replace(options=options, **changes)
     except ValueError as err:

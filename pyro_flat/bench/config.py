@@ -28,6 +28,9 @@ class RunConfig:
     :param lambda_max_iters: power iterations for :math:`\\lambda_{\\max}`.
     :param device: torch device of the run.
     :param dtype: ``"float32"`` or ``"float64"``.
+    :param compile: train the flat objectives and SG-MCMC kernels through their compiled paths
+        (``JitSharpnessAwareELBO``, ``JitKLBallELBO``, ``jit_compile=True``); pays off only when a run's steps save
+        more than its compilations cost (``docs/speed.md``).
     :param options: per-method overrides, e.g. ``{"f_vi": {"rho": 0.1}}``; read with ``Problem.option``.
     """
 
@@ -46,6 +49,7 @@ class RunConfig:
     lambda_max_iters: int = 30
     device: str = "cpu"
     dtype: str = "float32"
+    compile: bool = False
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
