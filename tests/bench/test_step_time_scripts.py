@@ -30,3 +30,19 @@ def test_step_time_script_runs_and_writes_its_table(name, tmp_path):
     text = out.read_text()
     assert "| ratio | value | target |" in text and "torch BBB" in text
     assert "nan" not in text.lower()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")  # Pyro's JitTrace_ELBO
+def test_compiled_step_time_script_runs_and_writes_its_table(tmp_path):
+    """benchmarks/compiled.py at a tiny size, its compiled variants as captured graphs (no compilation time)."""
+    spec = importlib.util.spec_from_file_location("compiled", BENCHMARKS / "compiled.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "compiled.md"
+    module.main(["--repeats", "1", "--steps", "1", "--warmup", "3", "--draws", "2", "--jit-backend", "none",
+                 "--out", str(out)])
+    text = out.read_text()
+    assert "| ratio | eager | compiled | goal |" in text and "JitSharpnessAwareELBO" in text
+    assert "not compiled" in text and "nan" not in text.lower()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and " / torch " in line]
+    assert len(rows) == 6
