@@ -602,6 +602,16 @@ class CompiledCalls:
             what = "runs its eager path (same results, no speed-up)" if eager else "is not compiled"
             warnings.warn(f"{self.owner} {what}: {reason}", CompilationFallbackWarning, stacklevel=4)
 
+    def mode(self, key: Hashable) -> str:
+        """What the next call with ``key`` does: ``"first"`` (runs eagerly), ``"capture"`` (runs eagerly and
+        captures), ``"captured"`` (runs the captured function) or ``"eager"`` (cannot be captured: runs eagerly)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return "first"
+        if entry is _FIRST:
+            return "capture"
+        return "eager" if isinstance(entry, CaptureError) else "captured"
+
     def __call__(self, key: Hashable, fn: Callable[[], Any], inputs: Callable[[], Sequence[Tensor]]) -> Any:
         """Evaluate the step ``fn`` (eagerly, captured, or from its capture) for ``key``.
 

@@ -14,6 +14,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
 from pyro.infer import MCMC, SVI, JitTrace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 
@@ -229,6 +230,29 @@ def test_new_shapes_or_modes_are_captured_again():
     assert len(elbo.captures()) == 3
     svi.step(x, y, subsample_size=8)  # back to a known key: no new capture
     assert len(elbo.captures()) == 3
+
+
+def test_parameter_statements_reach_the_handlers_with_their_values():
+    """A compiled step makes the eager step's parameter statements (SVI collects its parameters there), with the
+    constrained values; a handler that replaces a parameter's value is refused (the graph used the stored one)."""
+    x, y = _data((5,))
+    model = _mlp()
+    guide = AutoNormal(model)
+    guide(x, y, subsample_size=8)
+    elbo = JitSharpnessAwareELBO(0.05, jit_options={"backend": None})
+    for _ in range(2):  # eager, captured
+        elbo.loss_and_grads(model, guide, x, y, subsample_size=8)
+    store = pyro.get_param_store()
+    with poutine.trace(param_only=True) as params:
+        elbo.loss_and_grads(model, guide, x, y, subsample_size=8)  # the compiled step
+    assert elbo.captures() and set(params.trace.nodes) == set(store.keys())
+    for name, site in params.trace.nodes.items():
+        torch.testing.assert_close(site["value"], store[name])
+        assert site["value"].unconstrained() is store._params[name]
+    name = next(n for n in store.keys() if "scale" in n)
+    with pytest.raises(NotImplementedError, match=f"replaced the value of parameter '{name}'"):
+        with poutine.substitute(data={name: torch.ones_like(store[name])}):
+            elbo.loss_and_grads(model, guide, x, y, subsample_size=8)
 
 
 # ----------------------------------------------------------------------------------------- what cannot be captured

@@ -18,6 +18,7 @@ Pyro.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -25,7 +26,7 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
-from pyro.poutine.runtime import _PYRO_STACK
+from pyro.poutine.runtime import _PYRO_STACK, effectful
 from pyro.util import warn_if_nan
 from torch import Tensor
 from torch.distributions import kl_divergence
@@ -35,6 +36,13 @@ from .kl_ball import KLBallELBO
 from .sharpness_aware import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 
 __all__ = ["JitKLBallELBO", "JitSharpnessAwareELBO", "JitSharpnessAwareMeanFieldELBO"]
+
+
+@effectful(type="param")
+def _compiled_param(name: str, value: Tensor) -> Tensor:
+    """A parameter statement whose constrained value a compiled step has computed (``pyro.param`` would compute it
+    again)."""
+    return value
 
 
 class _Jit:
@@ -66,22 +74,38 @@ class _Jit:
         tensors, arg_key = tensor_key((args, kwargs))
         key = (id(model), id(guide), arg_key, module_key(model, guide), torch.is_grad_enabled())
         self._programs.setdefault(key, (model, guide))  # holds them, so that their ids stay theirs
+        mode = self._compiled.mode(key)
 
-        def step() -> Tensor:
+        def step() -> tuple[Tensor, list[Tensor]]:
             with poutine.trace(param_only=True) as params:
                 loss = self._eager_loss(model, guide, args, kwargs)
-            self._param_names[key] = sorted(params.trace.nodes)
-            return loss
+            names = self._param_names[key] = sorted(params.trace.nodes)
+            # the captured step also returns the parameters' constrained values, for the parameter statements
+            store = pyro.get_param_store()
+            return loss, [store[name] for name in names] if mode == "capture" else []
 
         def inputs() -> list[Tensor]:
-            names = self._param_names[key]
-            if not _PYRO_STACK:  # nothing observes the parameter statements (e.g. a torch optimiser on ELBOModule)
-                store = pyro.get_param_store()._params
-                return [store[name] for name in names] + tensors
-            # like JitTrace_ELBO: the statements reach the enclosing handlers (SVI collects the parameters there)
-            return [pyro.param(name).unconstrained() for name in names] + tensors
+            store = pyro.get_param_store()._params
+            return [store[name] for name in self._param_names[key]] + tensors
 
-        return self._compiled(key, step, inputs)
+        loss, constrained = self._compiled(key, step, inputs)
+        if mode == "captured":
+            self._report_parameters(key, constrained)
+        return loss
+
+    def _report_parameters(self, key: Hashable, constrained: list[Tensor]) -> None:
+        """The parameter statements of a compiled step, as the eager step makes them, for the enclosing handlers
+        (``SVI`` collects the parameters it optimises there), with the values the graph computed."""
+        if not _PYRO_STACK:
+            return
+        store = pyro.get_param_store()._params
+        for name, value in zip(self._param_names[key], constrained, strict=True):
+            value.unconstrained = weakref.ref(store[name])
+            if _compiled_param(name, value, name=name) is not value:
+                raise NotImplementedError(
+                    f"{type(self).__name__}: a handler replaced the value of parameter {name!r} of a compiled step, "
+                    f"which computed with the stored value; use {type(self).__name__[3:]} (eager) under such handlers"
+                )
 
     def differentiable_loss(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> Tensor:
         loss = self.compiled_loss(model, guide, *args, **kwargs)
