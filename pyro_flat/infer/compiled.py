@@ -397,6 +397,7 @@ class CapturedFunction:
         self.out_spec = out_spec
         self.mutated = mutated
         self.capture_seconds = capture_seconds
+        self.devices: set[str] = set()  # the device types of the inputs
         self.compile_seconds: float | None = None
         self._run: Callable = graph
         self._compiling = False
@@ -407,8 +408,16 @@ class CapturedFunction:
 
     def compile(self, options: Mapping[str, Any]) -> None:
         """Evaluate through ``torch.compile(graph, fullgraph=True, dynamic=False, **options)`` from now on; the
-        compilation happens at the next call, whose wall time is kept in :attr:`compile_seconds`."""
-        self._run = torch.compile(self.graph, **{"fullgraph": True, "dynamic": False, **options})
+        compilation happens at the next call, whose wall time is kept in :attr:`compile_seconds`.
+
+        On CPU, TorchInductor's layout optimisation (channels-last convolutions) is off unless ``options`` set
+        inductor options: the weights of a Bayesian network are new tensors at every step, and converting them costs
+        more than it saves (ResNet-18, ``docs/speed.md``)."""
+        options = {"fullgraph": True, "dynamic": False, **options}
+        inductor = options.get("backend", "inductor") == "inductor"
+        if self.devices == {"cpu"} and inductor and "options" not in options and "mode" not in options:
+            options["options"] = {"layout_optimization": False}
+        self._run = torch.compile(self.graph, **options)
         self._compiling = True
 
     @property
@@ -515,6 +524,7 @@ def _trace(fn: Callable[[], Any], inputs: list[Tensor], record: _RecordDraws, ou
     graph.recompile()
     mutated = [base for base, _ in step.saved.values()]
     captured = CapturedFunction(graph, record.draws, out_spec[0], mutated, time.perf_counter() - started)
+    captured.devices = {t.device.type for t in (*inputs, *noise)}
     # the graph must reproduce the eager step on the same inputs and random numbers (side effects undone after)
     copies = [t.detach().clone() for t in mutated]
     try:

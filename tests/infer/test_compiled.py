@@ -165,6 +165,18 @@ def test_aot_eager_kl_ball_on_a_batchnorm_cnn_and_the_elbo_module_path():
     assert got[2] == want[2]
 
 
+@pytest.mark.cuda
+def test_compiled_steps_on_cuda_are_the_eager_steps():
+    """On a GPU: TorchInductor's Triton kernels, CUDA generators (the subsample, guide noise and the fused dropout
+    mask drawn outside the graph), no host synchronisation added by the compiled step."""
+    x, y = (t.cuda() for t in _data((5,)))
+    for eager, jit in ((SharpnessAwareELBO, JitSharpnessAwareELBO), (KLBallELBO, JitKLBallELBO)):
+        want = _svi(lambda: _mlp().cuda(), eager(0.05), x, y, subsample_size=8)
+        got = _svi(lambda: _mlp().cuda(), jit(0.05), x, y, subsample_size=8)
+        assert got["loss"].captures()[0].compile_seconds is not None
+        _assert_same_run(got, want)
+
+
 # ----------------------------------------------------------------------------------------- harness networks, graph
 
 
