@@ -15,8 +15,8 @@ Fisher direction) and ``JitKLBallELBO``; the SA-ELBO also with ``torch.optim.Ada
 optimiser instead of Pyro's one per parameter); the hand-written torch steps doing the same arithmetic (Bayes by
 backprop, + SAM, + the KL-ball step, see ``_svi_steps.py``); SGLD eager and with ``jit_compile=True``, as the
 kernel's ``sample`` applied to its own output and (MLP only) inside ``pyro.infer.MCMC`` (one ``MCMC.run`` of
-``--draws`` draws per timed step, its set-up included, every draw kept), and an idiomatic hand-written torch SGLD loop
-(``nn.Module``, ``F.cross_entropy``, in-place updates).
+``--draws`` gradient steps per timed step, its set-up included, every step kept as a draw or every 10th), and an
+idiomatic hand-written torch SGLD loop (``nn.Module``, ``F.cross_entropy``, in-place updates).
 
 The warm-up (``--warmup`` steps, untimed) includes each compiled variant's capture and compilation, reported beside
 the step times.
@@ -135,14 +135,16 @@ class TorchSGLD:
 
 
 class KernelSteps:
-    """Gradient steps of an SG-MCMC kernel: one ``MCMC.run`` of ``draws`` draws per ``step()`` (``draws > 0``,
-    set-up included), or the kernel's ``sample`` applied to its own output (``draws = 0``)."""
+    """Gradient steps of an SG-MCMC kernel: one ``MCMC.run`` of ``draws`` draws, each ``thinning`` gradient steps
+    apart, per ``step()`` (``draws > 0``, set-up included, every draw kept), or the kernel's ``sample`` applied to its
+    own output (``draws = 0``)."""
 
-    def __init__(self, network: Network, draws: int, **options: object) -> None:
+    def __init__(self, network: Network, draws: int, thinning: int = 1, **options: object) -> None:
         self.network, self.draws = network, draws
         model = network.make_model()
-        self.kernel = SGLD(model, step_size=STEP_SIZE, init_strategy=init_to_network(model), **options)
-        self.units_per_step = max(draws, 1)
+        self.kernel = SGLD(model, step_size=STEP_SIZE, init_strategy=init_to_network(model), thinning=thinning,
+                           **options)
+        self.units_per_step = max(draws * thinning, 1)
         if not draws:
             self.kernel.setup(0, network.x, network.y, subsample_size=network.batch)
             self.params = self.kernel.initial_params
@@ -203,8 +205,11 @@ def main(argv: list[str] | None = None) -> str:
         "torch SGLD (idiomatic)": TorchSGLD(network),
     }
     if draws:
-        variants["MCMC(SGLD)"] = KernelSteps(network, draws)
-        variants["MCMC(SGLD, jit_compile=True)"] = KernelSteps(network, draws, jit_compile=True, jit_options=jit)
+        for thinning in (1, 10):
+            name = "MCMC(SGLD)" if thinning == 1 else f"MCMC(SGLD, thinning={thinning})"
+            variants[name] = KernelSteps(network, draws // thinning, thinning)
+            variants[name[:-1] + ", jit_compile=True)"] = KernelSteps(network, draws // thinning, thinning,
+                                                                       jit_compile=True, jit_options=jit)
     warmup = {}
     for name, variant in variants.items():
         start = time.perf_counter()
@@ -225,8 +230,12 @@ def main(argv: list[str] | None = None) -> str:
          "torch SGLD (idiomatic)", "≤ 1.0 compiled"),
     ]
     if draws:
-        table.insert(3, ("MCMC(SGLD) / torch SGLD (idiomatic)", "MCMC(SGLD)", "MCMC(SGLD, jit_compile=True)",
-                         "torch SGLD (idiomatic)", "≤ 1.0 compiled"))
+        table[3:3] = [
+            ("MCMC(SGLD) / torch SGLD (idiomatic)", "MCMC(SGLD)", "MCMC(SGLD, jit_compile=True)",
+             "torch SGLD (idiomatic)", "≤ 1.0 compiled"),
+            ("MCMC(SGLD, thinning=10) / torch SGLD (idiomatic)", "MCMC(SGLD, thinning=10)",
+             "MCMC(SGLD, thinning=10, jit_compile=True)", "torch SGLD (idiomatic)", "(every 10th step kept)"),
+        ]
     lines = [
         f"# Eager and compiled step times: {args.network}",
         "",

@@ -39,10 +39,10 @@ def test_compiled_step_time_script_runs_and_writes_its_table(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "compiled.md"
-    module.main(["--repeats", "1", "--steps", "1", "--warmup", "3", "--draws", "2", "--jit-backend", "none",
+    module.main(["--repeats", "1", "--steps", "1", "--warmup", "3", "--draws", "10", "--jit-backend", "none",
                  "--out", str(out)])
     text = out.read_text()
     assert "| ratio | eager | compiled | goal |" in text and "JitSharpnessAwareELBO" in text
     assert "not compiled" in text and "nan" not in text.lower()
     rows = [line for line in text.splitlines() if line.startswith("| ") and " / torch " in line]
-    assert len(rows) == 6
+    assert len(rows) == 7
