@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -256,14 +257,24 @@ class _TraceStep(TorchDispatchMode):
     * notes where host reads (``.item()``, ``bool(tensor)``) happen, for the error message.
     """
 
-    def __init__(self, record: _RecordDraws, noise: Sequence[Tensor]) -> None:
+    def __init__(self, record: _RecordDraws, inputs: Sequence[Tensor], noise: Sequence[Tensor]) -> None:
         super().__init__()
         self.record = record
         self.noise = noise
         self.position = 0
         self.created: dict[int, weakref.ref] = {}
+        self.dependent: dict[int, weakref.ref] = {id(t): weakref.ref(t) for t in (*inputs, *noise)}
         self.saved: dict[int, tuple[Tensor, Tensor]] = {}
         self.host_reads: list[str] = []
+
+    @staticmethod
+    def _member(table: dict[int, weakref.ref], t: Tensor) -> bool:
+        ref = table.get(id(t))
+        return ref is not None and ref() is t
+
+    def depends(self, t: Tensor) -> bool:
+        """Whether ``t`` was computed from the inputs or the random numbers."""
+        return self._member(self.dependent, t) or (t._base is not None and self._member(self.dependent, t._base))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -287,12 +298,22 @@ class _TraceStep(TorchDispatchMode):
                 raise CaptureError(f"the operation {func} modifies a tensor in place without declaring it")
         if not torch.is_grad_enabled() and not _written_arguments(func):
             result = pytree.tree_map(lambda r: _DETACH(r) if isinstance(r, Tensor) else r, result)
+        dependent = any(self.depends(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor))
         for r in pytree.tree_leaves(result):
             if isinstance(r, Tensor):
                 self.created[id(r)] = weakref.ref(r)
+                if dependent:
+                    self.dependent[id(r)] = weakref.ref(r)
         return result
 
     def _feed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        result = self._fed(func, args, kwargs)
+        for r in pytree.tree_leaves(result):
+            if isinstance(r, Tensor):
+                self.dependent[id(r)] = weakref.ref(r)
+        return result
+
+    def _fed(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.position >= len(self.record.calls):
             raise CaptureError(f"the traced run draws more random numbers than the eager step ({func})")
         index = self.record.calls[self.position]
@@ -305,17 +326,16 @@ class _TraceStep(TorchDispatchMode):
             target = _get(args, kwargs, draw.written[0])
             self._save(target)
             return target.copy_(noise)
-        if func is _NATIVE_DROPOUT:
-            x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
-            scale = 1.0 / (1.0 - p) if train is not False and p < 1 else (1.0 if train is False else 0.0)
+        if func is _NATIVE_DROPOUT:  # its output depends on its input: only the mask is drawn outside the graph
+            x, p = args[0], args[1]
+            train = args[2] if len(args) > 2 else kwargs.get("train", True)
+            scale = 1.0 if train is False else (1.0 / (1.0 - p) if p < 1 else 0.0)
             return x * noise * scale, noise.clone()
         return noise.clone()
 
     def _is_created(self, t: Tensor) -> bool:
         """Whether ``t`` (or the tensor it views) was made by the traced run (not a constant or an input)."""
-        base = t if t._base is None else t._base
-        created = self.created.get(id(base))
-        return created is not None and created() is base
+        return self._member(self.created, t if t._base is None else t._base)
 
     def _save(self, t: Tensor | None) -> None:
         if t is None:
@@ -329,6 +349,22 @@ class _TraceStep(TorchDispatchMode):
         with torch.no_grad():
             for base, copy in self.saved.values():
                 base.copy_(copy)
+
+
+class _HostCopies(TorchFunctionMode):
+    """Around the traced run: a copy to Python or NumPy (``tolist``, ``numpy``) of a value computed from the inputs
+    is a host read the dispatcher does not see."""
+
+    _COPIES = (Tensor.tolist, Tensor.numpy, Tensor.__array__)
+
+    def __init__(self, step: _TraceStep) -> None:
+        super().__init__()
+        self.step = step
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in self._COPIES and args and isinstance(args[0], Tensor) and self.step.depends(args[0]):
+            raise CaptureError(_host_read_message(_user_frame()))
+        return func(*args, **(kwargs or {}))
 
 
 def _returns_host_value(func: torch._ops.OpOverload) -> bool:
@@ -443,22 +479,15 @@ class CapturedFunction:
         return pytree.tree_unflatten(list(flat), self.out_spec)
 
 
-def _unique(tensors: Sequence[Tensor]) -> list[Tensor]:
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
 def _same(eager: Any, replayed: Any) -> bool:
+    """Whether the graph's outputs are the eager step's (up to floating-point rounding)."""
     for a, b in zip(pytree.tree_leaves(eager), pytree.tree_leaves(replayed), strict=True):
         if isinstance(a, Tensor):
             a, b = a.detach(), b.detach()
-            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-6 * (1 + float(a.abs().max())),
-                                                        equal_nan=True):
+            if a.shape != b.shape:
+                return False
+            scale = float(a.abs().max()) if a.numel() else 0.0
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6 * (1 + scale), equal_nan=True):
                 return False
     return True
 
@@ -485,7 +514,7 @@ def capture(
     try:
         _check_draws(record, start_state, end_state)
         tensors = list(inputs())
-        if len(_unique(tensors)) != len(tensors):
+        if len({id(t) for t in tensors}) != len(tensors):
             raise CaptureError("the same tensor is given twice as an input")
         captured = _trace(fn, tensors, record, outputs, started)
     except CaptureError as error:
@@ -497,12 +526,14 @@ def capture(
 
 def _trace(fn: Callable[[], Any], inputs: list[Tensor], record: _RecordDraws, outputs: Any,
            started: float) -> CapturedFunction:
+    """The traced run of the step under ``make_fx``, checked, and the captured function checked against the eager
+    step's outputs."""
     noise = [v.clone() for v in record.values]
     out_spec: list[pytree.TreeSpec] = []
-    step = _TraceStep(record, noise)
+    step = _TraceStep(record, inputs, noise)
 
     def traced(*tensors: Tensor) -> list[Tensor]:
-        with step:
+        with step, _HostCopies(step):
             flat, spec = pytree.tree_flatten(fn())
         out_spec.append(spec)
         return [t for t in flat]

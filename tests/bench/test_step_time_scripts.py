@@ -46,3 +46,12 @@ def test_compiled_step_time_script_runs_and_writes_its_table(tmp_path):
     assert "not compiled" in text and "nan" not in text.lower()
     rows = [line for line in text.splitlines() if line.startswith("| ") and " / torch " in line]
     assert len(rows) == 7
+
+
+def test_compile_options_script_runs(tmp_path):
+    """benchmarks/compile_options.py at a tiny size, torch.compile with its cheap `eager` backend."""
+    spec = importlib.util.spec_from_file_location("compile_options", BENCHMARKS / "compile_options.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.main(["--repeats", "1", "--steps", "1", "--backend", "eager", "--out", str(tmp_path / "c.md")])
+    assert text.count("| ") >= 7 and "torch.jit.trace" in text and "nan" not in text.lower()
