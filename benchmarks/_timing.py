@@ -8,8 +8,10 @@ and optional ``enter()`` / ``exit()`` (called around each timed block, e.g. to s
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Mapping
 
@@ -68,3 +70,10 @@ def environment() -> str:
     """The software and machine the figures were measured on."""
     return (f"torch {torch.__version__}, pyro {pyro.__version__}, Python {platform.python_version()}, "
             f"{platform.machine()}, shared 2-core machine, {torch.get_num_threads()} torch thread(s).")
+
+
+def fresh_compile_cache() -> str:
+    """Point TorchInductor at an empty on-disk cache, so that the first compilation of each graph is timed cold (an
+    identical graph compiled again in the same run hits it); returns the directory."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]

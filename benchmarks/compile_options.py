@@ -26,7 +26,7 @@ import pyro
 import torch
 from _report import write_markdown
 from _svi_steps import BATCH, mlp_model
-from _timing import environment, interleaved_times, medians_ms
+from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms
 
 from pyro_flat.data import load_digits
 from pyro_flat.infer.compiled import capture
@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
+    parser.add_argument("--warm-cache", action="store_true", help="use TorchInductor's on-disk cache (default: cold)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compile_options.md")
     args = parser.parse_args(argv)
+    if not args.warm_cache:
+        fresh_compile_cache()
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
     pyro.enable_validation(False)
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"Bayesian MLP 64-256-256-10 on digits, minibatch {BATCH} drawn in the model, float32, validation off; "
         f"{args.repeats} interleaved repeats x {args.steps} gradient evaluations, median; torch.compile backend "
-        f"`{args.backend}`. {environment()}",
+        f"`{args.backend}`, {'warm' if args.warm_cache else 'fresh (cold)'} TorchInductor cache. {environment()}",
         "",
         "| evaluation | ms per gradient | set-up (s) |",
         "|---|---|---|",

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from _report import write_markdown
 from _svi_steps import INIT_SCALE, PyroStep, TorchBBB, mlp_model, mlp_torch
-from _timing import environment, interleaved_times, medians_ms, time_block, timing_rows
+from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, time_block, timing_rows
 from kl_ball_elbo import RADIUS, TorchKLBall
 from pyro.infer import MCMC, JitTrace_ELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
@@ -176,9 +176,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--draws", type=int, default=100,
                         help="draws per MCMC.run, one timed SGLD step of the MLP (0: kernel.sample instead)")
     parser.add_argument("--jit-backend", default="inductor", help="torch.compile backend of the compiled variants")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="use TorchInductor's on-disk cache (default: a fresh one, so compile times are cold)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     out = args.out or Path(__file__).parent / "results" / f"compiled_{args.network}.md"
+    if not args.warm_cache:
+        fresh_compile_cache()
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
     pyro.enable_validation(True)
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> str:
         f"{network.describe}; AutoNormal guides (init scale {INIT_SCALE}), Adam 1e-3, float32, Pyro's validation on "
         f"(the compiled steps run without it). {args.repeats} repeats x {args.steps} steps per variant, variants "
         f"interleaved (order alternating), median; {args.warmup} untimed warm-up steps first. Compiled variants: "
-        f"torch.compile backend `{args.jit_backend}`. {environment()}",
+        f"torch.compile backend `{args.jit_backend}`, "
+        f"{'warm' if args.warm_cache else 'fresh (cold)'} TorchInductor cache. {environment()}",
         "",
         "| ratio | eager | compiled | goal |",
         "|---|---|---|---|",
