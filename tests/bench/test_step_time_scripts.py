@@ -39,8 +39,8 @@ def test_compiled_step_time_script_runs_and_writes_its_table(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "compiled.md"
-    module.main(["--repeats", "1", "--steps", "1", "--warmup", "3", "--draws", "10", "--jit-backend", "none", "--warm-cache",
-                 "--out", str(out)])
+    module.main(["--repeats", "1", "--steps", "1", "--warmup", "3", "--draws", "10", "--jit-backend", "none",
+                 "--warm-cache", "--out", str(out)])
     text = out.read_text()
     assert "| ratio | eager | compiled | goal |" in text and "JitSharpnessAwareELBO" in text
     assert "not compiled" in text and "nan" not in text.lower()
@@ -53,5 +53,6 @@ def test_compile_options_script_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("compile_options", BENCHMARKS / "compile_options.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    text = module.main(["--repeats", "1", "--steps", "1", "--backend", "eager", "--warm-cache", "--out", str(tmp_path / "c.md")])
+    text = module.main(["--repeats", "1", "--steps", "1", "--backend", "eager", "--warm-cache",
+                        "--out", str(tmp_path / "c.md")])
     assert text.count("| ") >= 7 and "torch.jit.trace" in text and "nan" not in text.lower()
