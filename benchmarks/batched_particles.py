@@ -16,14 +16,12 @@ Every variant runs ``--steps`` steps per timed block; the variants alternate ins
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
-import time
 from pathlib import Path
 
 import pyro
 import torch
 from _report import write_markdown
+from _timing import environment, interleaved_times, medians_ms
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 from pyro.nn import PyroModule
@@ -76,17 +74,8 @@ def variants(hidden: tuple[int, ...], k: int, x: torch.Tensor, y: torch.Tensor, 
 
 
 def measure(fns: dict, repeats: int, steps: int) -> dict[str, float]:
-    for fn in fns.values():  # warm-up (guide set-up, first vmap)
-        fn()
-    times = {name: [] for name in fns}
-    for repeat in range(repeats):
-        order = list(fns) if repeat % 2 == 0 else list(reversed(fns))
-        for name in order:
-            start = time.perf_counter()
-            for _ in range(steps):
-                fns[name]()
-            times[name].append((time.perf_counter() - start) / steps * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median ms per step of every variant (one warm-up step each: guide set-up, first vmap)."""
+    return medians_ms(interleaved_times(fns, repeats, steps, warmup=1))
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -106,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"Bayesian MLPs on digits, minibatch {BATCH} with num_data={data.num_data}, float32, one thread; ms to advance "
         f"all K particles by one step, median of {args.repeats} interleaved repeats x {args.steps} steps. "
-        f"torch {torch.__version__}, pyro {pyro.__version__}, {platform.machine()}, shared 2-core machine.",
+        f"{environment()}",
         "",
         "| network | K | SGLD loop | BatchedSGLD | speed-up | MAP loop (SVI) | BatchedMAP | speed-up | "
         "BatchedMAP rho=0.05 |",

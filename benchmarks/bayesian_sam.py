@@ -20,14 +20,11 @@ Run: ``python benchmarks/bayesian_sam.py [--repeats 15 --steps 20]``; writes ``b
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import pyro
 import torch
+from _timing import environment, interleaved_times, medians_ms
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 
@@ -221,17 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     data = load_digits().to(dtype=torch.float32)
     variants = {**torch_variants(data.x_train, data.y_train), **pyro_variants(data.x_train, data.y_train)}
-    for fn in variants.values():  # warm-up (and the SWAG buffers fill up to K = 20)
-        for _ in range(25):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
-    median = {name: statistics.median(ts) for name, ts in times.items()}
+    # 25 warm-up steps (the SWAG buffers fill up to K = 20)
+    times = interleaved_times(variants, args.repeats, args.steps, warmup=25)
+    median = medians_ms(times)
 
     def ratio(a: str, b: str) -> str:
         return f"{median[a] / median[b]:.2f}"
@@ -251,9 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         f"--threads {args.threads}`",
         "",
         f"MLP 64-{'-'.join(map(str, HIDDEN))}-10 on digits (N = {data.num_data}), minibatch {BATCH}, float32, "
-        f"{args.threads} thread(s), CPU ({platform.machine()}, torch {torch.__version__}, pyro {pyro.__version__}, "
-        f"Python {sys.version.split()[0]}). Median over {args.repeats} interleaved repeats of {args.steps} steps; "
-        "m-sharpness 1.",
+        f"{environment()} Median over {args.repeats} interleaved repeats of {args.steps} steps; m-sharpness 1.",
         "",
         "| variant | ms / step | ratio to the row's baseline | ratio to plain torch |",
         "|---|---|---|---|",
@@ -269,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{median[name] / spe / median[step] * 100:.2f} % per step when collected once per epoch "
                      f"({spe} steps) | – |")
     lines += ["", "All medians (ms / step):", ""]
-    lines += [f"- {name}: {median[name]:.3f} (min {min(times[name]):.3f}, max {max(times[name]):.3f})"
+    lines += [f"- {name}: {median[name]:.3f} (min {min(times[name]) * 1e3:.3f}, max {max(times[name]) * 1e3:.3f})"
               for name in variants]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import socket
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import pyro
@@ -31,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _report import write_markdown
+from _timing import environment, medians_ms, time_block
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
@@ -63,16 +61,16 @@ def run(
     loss = ddp_elbo(model, guide, elbo) if world_size > 1 else elbo(model, guide)
     optim = torch.optim.Adam(loss.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)  # the same minibatches on every rank and in the single process
+    def step() -> None:
+        idx = torch.randperm(data.num_data, generator=generator)[: args.batch]
+        idx = idx[rank * shard : (rank + 1) * shard]
+        optim.zero_grad()
+        loss(data.x_train[idx], data.y_train[idx], num_data=data.num_data).backward()
+        optim.step()
+
     times, params = [], {}
     for block in range(repeats):
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            idx = torch.randperm(data.num_data, generator=generator)[: args.batch]
-            idx = idx[rank * shard : (rank + 1) * shard]
-            optim.zero_grad()
-            loss(data.x_train[idx], data.y_train[idx], num_data=data.num_data).backward()
-            optim.step()
-        times.append((time.perf_counter() - start) / args.steps)
+        times.append(time_block(step, args.steps))
         if block == 0:
             params = {n: p.detach().clone() for n, p in guide.named_parameters()}
     return times, params
@@ -119,7 +117,7 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"MLP 64-256-256-10 on digits, AutoNormal, Adam 1e-3, total batch {args.batch} per step (2 x {args.batch // 2} "
         f"with DDP), float32, one torch thread per process; {args.repeats} blocks x {args.steps} steps, median. "
-        f"torch {torch.__version__}, pyro {pyro.__version__}, {platform.machine()}, 2 shared cores.",
+        f"{environment()}",
         "",
         "| objective | 1 process (ms / step) | DDP 2 ranks (ms / step) | speed-up (1 proc / DDP) | max relative param "
         f"difference after {args.steps} steps (float64) |",
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> str:
     for objective in OBJECTIVES:
         t1, p1 = single[objective]
         t2, p2 = ddp[objective]
-        m1, m2 = statistics.median(t1) * 1e3, statistics.median(t2) * 1e3
+        m1, m2 = medians_ms({"1": t1, "2": t2}).values()
         diff = max(float((p1[n] - p2[n]).abs().max() / p1[n].abs().max()) for n in p1)
         lines.append(f"| {objective} | {m1:.2f} | {m2:.2f} | {m1 / m2:.2f} | {diff:.1e} |")
     return write_markdown(lines, args.out, __file__, argv)

@@ -23,17 +23,8 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_timing import (
-    BATCH,
-    HIDDEN,
-    INIT_SCALE,
-    PyroStep,
-    TorchBBB,
-    environment,
-    interleaved_times,
-    medians_ms,
-    timing_rows,
-)
+from _svi_steps import BATCH, HIDDEN, INIT_SCALE, PyroStep, TorchBBB, mlp_model, mlp_torch
+from _timing import environment, interleaved_times, medians_ms, timing_rows
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
@@ -81,16 +72,18 @@ def main(argv=None):
         return AutoLowRankPlusDiagonalNormal(model, init_loc_fn=init_to_network(model), init_scale=INIT_SCALE,
                                              rank=RANK)
 
+    def pyro_step(loss, guide):
+        return PyroStep(mlp_model(), data.x_train, data.y_train, loss, guide)
+
     variants = {
-        "Trace_ELBO + AutoNormal": PyroStep(data, Trace_ELBO(), normal),
-        "KLBallELBO (fisher) + AutoNormal": PyroStep(data, KLBallELBO(RADIUS), normal),
-        "KLBallELBO (normalized_score) + AutoNormal": PyroStep(
-            data, KLBallELBO(RADIUS, direction="normalized_score"), normal
-        ),
-        f"Trace_ELBO + AutoLowRankPlusDiagonalNormal (K={RANK})": PyroStep(data, Trace_ELBO(), low_rank),
-        f"KLBallELBO (fisher) + AutoLowRankPlusDiagonalNormal (K={RANK})": PyroStep(data, KLBallELBO(RADIUS), low_rank),
-        "torch BBB": TorchBBB(data),
-        "torch KL-ball": TorchKLBall(data),
+        "Trace_ELBO + AutoNormal": pyro_step(Trace_ELBO(), normal),
+        "KLBallELBO (fisher) + AutoNormal": pyro_step(KLBallELBO(RADIUS), normal),
+        "KLBallELBO (normalized_score) + AutoNormal": pyro_step(
+            KLBallELBO(RADIUS, direction="normalized_score"), normal),
+        f"Trace_ELBO + AutoLowRankPlusDiagonalNormal (K={RANK})": pyro_step(Trace_ELBO(), low_rank),
+        f"KLBallELBO (fisher) + AutoLowRankPlusDiagonalNormal (K={RANK})": pyro_step(KLBallELBO(RADIUS), low_rank),
+        "torch BBB": TorchBBB(data.x_train, data.y_train, *mlp_torch()),
+        "torch KL-ball": TorchKLBall(data.x_train, data.y_train, *mlp_torch()),
     }
     times = interleaved_times(variants, args.repeats, args.steps)
     med = medians_ms(times)

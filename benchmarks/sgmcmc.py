@@ -23,15 +23,13 @@ Run: ``python benchmarks/sgmcmc.py [--repeats 9] [--steps 100]``; writes ``bench
 
 import argparse
 import math
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import pyro
 import torch
 import torch.nn.functional as F
+from _timing import environment, interleaved_times, medians_ms
 from pyro.infer import MCMC
 from torch.func import functional_call
 
@@ -57,6 +55,7 @@ class MCMCRun:
 
     def __init__(self, data, build, steps, steps_per_draw=1):
         self.data, self.build, self.steps, self.per_draw = data, build, steps, steps_per_draw
+        self.units_per_step = steps  # one call runs `steps` gradient steps
 
     def __call__(self):
         model = BayesianMLP(64, 10, HIDDEN).float()
@@ -73,7 +72,7 @@ class KernelLoop:
         self.kernel = SGLD(self.model, step_size=STEP, init_strategy=init_to_network(self.model))
         self.kernel.setup(0, data.x_train, data.y_train, subsample_size=BATCH)
         self.params = self.kernel.initial_params
-        self.steps = steps
+        self.steps = self.units_per_step = steps
 
     def __call__(self):
         for _ in range(self.steps):
@@ -85,6 +84,7 @@ class TorchSameArithmetic:
 
     def __init__(self, data, steps):
         self.x, self.y, self.steps = data.x_train, data.y_train, steps
+        self.units_per_step = steps
         self.n = len(self.x)
         self.net = _net()
         init = latent_init_values(BayesianMLP(64, 10, HIDDEN).float())
@@ -116,6 +116,7 @@ class TorchIdiomatic:
 
     def __init__(self, data, steps, entropy=False):
         self.x, self.y, self.steps, self.entropy = data.x_train, data.y_train, steps, entropy
+        self.units_per_step = steps
         self.n = len(self.x)
         self.params = list(_net().parameters())
         self.net = torch.nn.Sequential(*_net())
@@ -165,17 +166,9 @@ def main(argv=None):
         "torch SGLD, idiomatic": TorchIdiomatic(data, steps),
         "torch Entropy-MCMC, idiomatic": TorchIdiomatic(data, steps, entropy=True),
     }
-    for run in variants.values():  # warm up every code path once
-        run()
-    times = {name: [] for name in variants}
+    times = interleaved_times(variants, args.repeats, 1, warmup=1)  # one call = `steps` gradient steps
+    med = medians_ms(times)
     names = list(variants)
-    for r in range(args.repeats):
-        order = names if r % 2 == 0 else names[::-1]  # alternate which side runs first
-        for name in order:
-            start = time.perf_counter()
-            variants[name]()
-            times[name].append((time.perf_counter() - start) / steps * 1e3)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
     sgld, same, idiom = med["MCMC(SGLD)"], med["torch SGLD, same arithmetic"], med["torch SGLD, idiomatic"]
     esgld = med[f"MCMC(EntropySGLD, L={INNER})"]
     rows = [
@@ -183,7 +176,7 @@ def main(argv=None):
         "|---|---|---|---|",
     ]
     for name in names:
-        rows.append(f"| {name} | {med[name]:.3f} | {min(times[name]):.3f} | {max(times[name]):.3f} |")
+        rows.append(f"| {name} | {med[name]:.3f} | {min(times[name]) * 1e3:.3f} | {max(times[name]) * 1e3:.3f} |")
     ratios = [
         ("MCMC(SGLD) / torch SGLD, same arithmetic", sgld / same, "<= 1.5"),
         ("MCMC(SGLD) / torch SGLD, idiomatic", sgld / idiom, "<= 1.5"),
@@ -198,8 +191,7 @@ def main(argv=None):
     header = (
         f"# SG-MCMC step time\n\n`{command.strip()}`\n\n"
         f"MLP 64-256-256-10 on digits (N = 1257), batch {BATCH}, float32, 1 thread, {steps} gradient steps per timed "
-        f"block, {args.repeats} interleaved repeats; torch {torch.__version__}, pyro {pyro.__version__}, "
-        f"{platform.processor() or platform.machine()}.\n\n"
+        f"block, {args.repeats} interleaved repeats; {environment()}\n\n"
     )
     text = header + "\n".join(rows) + "\n"
     print(text)

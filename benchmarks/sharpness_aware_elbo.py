@@ -25,17 +25,8 @@ from pathlib import Path
 import pyro
 import torch
 from _report import write_markdown
-from _svi_timing import (
-    BATCH,
-    HIDDEN,
-    INIT_SCALE,
-    PyroStep,
-    TorchBBB,
-    environment,
-    interleaved_times,
-    medians_ms,
-    timing_rows,
-)
+from _svi_steps import BATCH, HIDDEN, INIT_SCALE, PyroStep, TorchBBB, mlp_model, mlp_torch
+from _timing import environment, interleaved_times, medians_ms, timing_rows
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
@@ -72,11 +63,15 @@ CONFIGS = {
 def measure(data, config, repeats, steps):
     pyro.enable_validation(config["validation"])  # also torch.distributions' argument validation
     guide = config["guide"].__name__
+
+    def pyro_step(loss):
+        return PyroStep(mlp_model(), data.x_train, data.y_train, loss, guide_factory(config["guide"]))
+
     variants = {
-        f"Trace_ELBO + {guide}": PyroStep(data, Trace_ELBO(), guide_factory(config["guide"])),
-        f"SharpnessAwareELBO + {guide}": PyroStep(data, SharpnessAwareELBO(RHO), guide_factory(config["guide"])),
-        "torch BBB": TorchBBB(data),
-        "torch BBB-SAM": TorchBBBSAM(data),
+        f"Trace_ELBO + {guide}": pyro_step(Trace_ELBO()),
+        f"SharpnessAwareELBO + {guide}": pyro_step(SharpnessAwareELBO(RHO)),
+        "torch BBB": TorchBBB(data.x_train, data.y_train, *mlp_torch()),
+        "torch BBB-SAM": TorchBBBSAM(data.x_train, data.y_train, *mlp_torch()),
     }
     return interleaved_times(variants, repeats, steps)
 

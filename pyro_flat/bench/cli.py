@@ -27,7 +27,7 @@ RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
     "width": "width", "latent": "latent", "pretrained": "pretrained", "optimizer": "optimizer",
     "lr_schedule": "lr_schedule", "data_root": "data_root", "shots": "shots", "num_workers": "num_workers",
     "precision": "precision", "lambda_max_draws": "lambda_max_draws", "lambda_max_points": "lambda_max_points",
-    "lambda_max_iters": "lambda_max_iters",
+    "lambda_max_iters": "lambda_max_iters", "compile": "compile",
 }
 
 DESCRIPTION = """\
@@ -109,6 +109,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bf16: the network's forward pass under autocast (the objectives' algebra stays float32)")
     group.add_argument("--channels-last", action="store_true", help="channels-last memory format (GPUs)")
     group.add_argument("--num-workers", type=int, default=None, help="DataLoader workers for augmented images")
+    group.add_argument("--compile", action="store_true", default=None,
+                       help="compiled flat objectives and kernels (JitSharpnessAwareELBO, JitKLBallELBO, "
+                            "jit_compile=True); pays off for long runs only (docs/speed.md)")
     group = parser.add_argument_group("long runs")
     group.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                        help="checkpoint every STEPS steps (0: only at the end of each training phase, and only with "

@@ -52,6 +52,9 @@ class RunConfig:
     :param precision: ``"float32"`` or ``"bf16"`` (the network's forward pass under ``torch.autocast``; the
         objectives' algebra stays in ``dtype``).
     :param channels_last: channels-last memory format for the network and its image inputs.
+    :param compile: train the flat objectives and SG-MCMC kernels through their compiled paths
+        (``JitSharpnessAwareELBO``, ``JitKLBallELBO``, ``jit_compile=True``); pays off only when a run's steps save
+        more than its compilations cost (``docs/speed.md``).
     :param options: per-method overrides, e.g. ``{"f_vi": {"rho": 0.1}}``; read with ``Problem.option``.
     """
 
@@ -84,6 +87,7 @@ class RunConfig:
     num_workers: int = 0
     precision: str = "float32"
     channels_last: bool = False
+    compile: bool = False
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

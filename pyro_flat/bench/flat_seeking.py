@@ -25,7 +25,7 @@ References:
 
 from __future__ import annotations
 
-from ..infer import SharpnessAwareELBO
+from ..infer import JitSharpnessAwareELBO, SharpnessAwareELBO
 from .baselines import fit_ensemble_points, fit_map_point, fit_mean_field
 from .problem import Posterior, Problem
 from .registry import register_method
@@ -37,9 +37,10 @@ REFERENCE = "Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023)
 
 
 def sharpness_aware_loss(problem: Problem, method: str) -> SharpnessAwareELBO:
-    """The SA-ELBO with the method's ``rho`` and ``adaptive`` options (defaults 0.05 and ``False``); data-parallel
-    runs all-reduce its ascent direction."""
-    return SharpnessAwareELBO(
+    """The SA-ELBO with the method's ``rho`` and ``adaptive`` options (defaults 0.05 and ``False``), compiled with
+    ``config.compile``; data-parallel runs all-reduce its ascent direction."""
+    elbo = JitSharpnessAwareELBO if problem.config.compile else SharpnessAwareELBO
+    return elbo(
         problem.option(method, "rho", DEFAULT_RHO), adaptive=problem.option(method, "adaptive", False),
         distributed=problem.distributed,
     )

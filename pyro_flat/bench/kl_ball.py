@@ -28,7 +28,7 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch import Tensor, nn
 
-from ..infer import AutoLowRankPlusDiagonalNormal, KLBallELBO
+from ..infer import AutoLowRankPlusDiagonalNormal, JitKLBallELBO, KLBallELBO
 from ..infer.autoguide import SWAGCollector
 from ..infer.predict import guide_draws
 from ..nn import init_to_network
@@ -38,6 +38,11 @@ from .registry import register_method
 
 REFERENCE = "Lim et al. 2024, Flat Posterior Does Matter For Bayesian Model Averaging, arXiv:2406.15664"
 DEFAULT_RADIUS = {"fisher": 1.0, "normalized_score": 0.01}
+
+
+def _kl_ball(problem: Problem) -> type[KLBallELBO]:
+    """``KLBallELBO``, compiled with ``config.compile``."""
+    return JitKLBallELBO if problem.config.compile else KLBallELBO
 
 
 def _low_rank_fit(problem: Problem, method: str, loss_factory: type | None, direction: str = "fisher") -> Posterior:
@@ -96,7 +101,7 @@ def fit_vi_low_rank(problem: Problem) -> Posterior:
     reference=REFERENCE,
 )
 def fit_sa_bma(problem: Problem) -> Posterior:
-    return _low_rank_fit(problem, "sa_bma", KLBallELBO)
+    return _low_rank_fit(problem, "sa_bma", _kl_ball(problem))
 
 
 @register_method(
@@ -106,7 +111,7 @@ def fit_sa_bma(problem: Problem) -> Posterior:
     reference=REFERENCE,
 )
 def fit_sa_bma_score(problem: Problem) -> Posterior:
-    return _low_rank_fit(problem, "sa_bma_score", KLBallELBO, direction="normalized_score")
+    return _low_rank_fit(problem, "sa_bma_score", _kl_ball(problem), direction="normalized_score")
 
 
 @register_method(
@@ -120,6 +125,7 @@ def fit_sa_bma_diag(problem: Problem) -> Posterior:
     guide = AutoNormal(model, init_loc_fn=init_to_network(model), init_scale=problem.config.vi_init_scale)
     radius = problem.option("sa_bma_diag", "radius", DEFAULT_RADIUS["fisher"])
     kl_weight = problem.option("sa_bma_diag", "kl_weight", 1.0)
-    history = run_svi(problem, model, guide, KLBallELBO(radius, kl_weight=kl_weight, distributed=problem.distributed))
+    history = run_svi(problem, model, guide, _kl_ball(problem)(radius, kl_weight=kl_weight,
+                                                                distributed=problem.distributed))
     info = {"losses": history, "radius": radius, "kl_weight": kl_weight}
     return Posterior.from_guide(model, guide, problem.config.num_bma_samples, info=info)

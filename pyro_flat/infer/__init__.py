@@ -1,9 +1,17 @@
 """Inference for flat posteriors: objectives (ELBOs), MCMC kernels, guides, averaging, and BMA prediction."""
 
-from . import autoguide, averaging, mcmc, particles
+from . import autoguide, averaging, compiled, mcmc, particles
 from .autoguide import AutoLowRankPlusDiagonalNormal, AutoSWAG, SWAGCollector
 from .averaging import HWA
-from .elbo import KLBallELBO, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
+from .compiled import CompilationFallbackWarning
+from .elbo import (
+    JitKLBallELBO,
+    JitSharpnessAwareELBO,
+    JitSharpnessAwareMeanFieldELBO,
+    KLBallELBO,
+    SharpnessAwareELBO,
+    SharpnessAwareMeanFieldELBO,
+)
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .particles import BatchedMAP, BatchedPotential, BatchedSGLD, init_particles
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
@@ -12,6 +20,7 @@ from .util import at_latent_values, is_latent_site, latent_sites, latent_support
 __all__ = [
     "autoguide",
     "averaging",
+    "compiled",
     "mcmc",
     "particles",
     "BatchedMAP",
@@ -27,6 +36,10 @@ __all__ = [
     "EntropySGD",
     "EntropySGLD",
     "AutoLowRankPlusDiagonalNormal",
+    "CompilationFallbackWarning",
+    "JitKLBallELBO",
+    "JitSharpnessAwareELBO",
+    "JitSharpnessAwareMeanFieldELBO",
     "KLBallELBO",
     "SharpnessAwareELBO",
     "SharpnessAwareMeanFieldELBO",

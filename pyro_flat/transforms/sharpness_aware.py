@@ -375,7 +375,8 @@ class SharpnessAwareModel(nn.Module):
         if torch.jit.is_tracing():
             raise NotImplementedError(
                 "sharpness_aware cannot be compiled with torch.jit.trace (e.g. by JitTrace_ELBO): its SAM ascent takes "
-                "a gradient inside the model run, which tracing would freeze. Use SharpnessAwareELBO or Trace_ELBO"
+                "a gradient inside the model run, which tracing would freeze. For a compiled SA-ELBO use "
+                "pyro_flat.infer.JitSharpnessAwareELBO (on the original model); else SharpnessAwareELBO or Trace_ELBO"
             )
         frames = [f for f in get_plates() if f.vectorized]
         grad_enabled = torch.is_grad_enabled()

@@ -43,3 +43,29 @@ def test_options():
     bad = Problem(load_digits(), TINY.replace(options={"sam": {"rho": -1.0}}))
     with pytest.raises(ValueError, match="rho"):
         sharpness_aware_loss(bad, "sam")
+
+
+@pytest.mark.parametrize("method", ["f_vi", "sgld"])
+def test_compiled_runs_reproduce_the_eager_runs(method, monkeypatch):
+    """``RunConfig(compile=True)`` trains through the compiled objectives and kernels, whose steps are the eager ones
+    (the captured graph runs uncompiled here: TorchInductor would cost seconds; tests/infer/test_compiled.py
+    compiles)."""
+    from pyro_flat.bench import flat_seeking, sgmcmc
+
+    made = []
+
+    def graph(cls):
+        def build(*args, **kwargs):
+            made.append(cls(*args, jit_options={"backend": None}, **kwargs))
+            return made[-1]
+        return build
+
+    monkeypatch.setattr(flat_seeking, "JitSharpnessAwareELBO", graph(flat_seeking.JitSharpnessAwareELBO))
+    monkeypatch.setattr(sgmcmc, "SGLD", graph(sgmcmc.SGLD))
+    config = TINY.replace(num_epochs=1)
+    eager = run_one(method, "digits", 0, config)
+    made.clear()
+    compiled = run_one(method, "digits", 0, config.replace(compile=True))
+    assert len(made) == 1 and made[0]._compiled.captures()  # the compiled path trained the method
+    for key in ("acc", "nll", "ece", "lambda_max"):
+        assert compiled.metrics[key] == pytest.approx(eager.metrics[key], rel=1e-5, abs=1e-7)

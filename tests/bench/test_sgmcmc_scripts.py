@@ -18,7 +18,8 @@ def _load(name):
 
 
 @pytest.fixture(autouse=True)
-def _restore_threads():
+def _restore_threads(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their shared timing module `_timing`
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)

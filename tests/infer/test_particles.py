@@ -156,7 +156,7 @@ def test_bad_arguments():
 
 def test_the_batched_particles_benchmark_runs(tmp_path, monkeypatch):
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))  # for its shared module `_report`
+    monkeypatch.syspath_prepend(str(benchmarks))  # for its shared modules `_report`, `_timing`
     path = benchmarks / "batched_particles.py"
     spec = importlib.util.spec_from_file_location("batched_particles", path)
     module = importlib.util.module_from_spec(spec)

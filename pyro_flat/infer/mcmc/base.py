@@ -34,7 +34,13 @@ new value and the potential are finite, and the first step at which one was not.
 the only host synchronisation of the hot loop; the progress bar shows the step size (a Python number) and the
 potential energy read at the last check.
 
-JIT compilation is not offered: ``torch.jit.trace`` would freeze the subsample indices of the traced step.
+**Compilation** (``jit_compile=True``, like Pyro's ``HMC``): the gradient evaluation — the model run at the
+current values, its potential and the backward pass — is captured once per shape of the latent values as a pure
+tensor function (:mod:`pyro_flat.infer.compiled`) and compiled with :func:`torch.compile` (``jit_options``). The
+minibatch's random indices and every other random number are drawn outside the graph, as the eager step draws them,
+so the chain is the eager chain (the same draws given the same seed, up to floating-point rounding). The first
+gradient step runs eagerly, the second is captured, the third compiles (tens of seconds on a CPU); a model that cannot
+be captured runs eagerly after one :class:`~pyro_flat.infer.compiled.CompilationFallbackWarning`.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
 from ..._validation import check_int
+from ..compiled import CompiledCalls, module_key, tensor_key
 from ..util import at_latent_values, is_latent_site
 from .schedules import StepSizeSchedule, as_schedule
 
@@ -204,6 +211,13 @@ class StochasticGradientKernel(MCMCKernel):
         :class:`~pyro_flat.nn.init_to_network`).
     :param int thinning: transitions per draw after warm-up (default 1) when the schedule does not collect.
     :param int divergence_check_every: gradient steps between two reads of the divergence record (default 100).
+    :param bool jit_compile: capture the gradient evaluation once and compile it (see the module docstring);
+        default ``False``.
+    :param jit_options: options of :func:`torch.compile` for ``jit_compile`` (e.g. ``{"mode": "max-autotune"}``);
+        ``{"backend": None}`` evaluates the captured graph without compiling it.
+    :type jit_options: dict or None
+
+    Subclasses take these options as keyword arguments after their own.
     """
 
     def __init__(
@@ -216,6 +230,8 @@ class StochasticGradientKernel(MCMCKernel):
         init_strategy: Callable = init_to_median,
         thinning: int = 1,
         divergence_check_every: int = 100,
+        jit_compile: bool = False,
+        jit_options: dict | None = None,
     ) -> None:
         owner = type(self).__name__
         if (model is None) == (potential_fn is None):
@@ -232,6 +248,14 @@ class StochasticGradientKernel(MCMCKernel):
         self.init_strategy = init_strategy
         self.thinning = check_int(thinning, "thinning", owner=owner)
         self.divergence_check_every = check_int(divergence_check_every, "divergence_check_every", owner=owner)
+        if not isinstance(jit_compile, bool):
+            raise ValueError(f"{owner}: expected jit_compile to be a bool, got {jit_compile!r}")
+        if jit_options is not None and not isinstance(jit_options, Mapping):
+            raise ValueError(f"{owner}: expected jit_options to be a dict or None, got {jit_options!r}")
+        self.jit_compile = jit_compile
+        self.jit_options = None if jit_options is None else dict(jit_options)
+        self._compiled = CompiledCalls(owner, jit_options)
+        self._data: tuple[list[Tensor], object] = ([], ())
         self.potential_fn = potential_fn
         self.transforms: dict[str, Transform] | None = None if model is not None else {}
         self._user_initial_params: Params | None = None
@@ -301,6 +325,8 @@ class StochasticGradientKernel(MCMCKernel):
                 )
         self._initial_params = {k: v.detach().clone() for k, v in params.items()}
         self._state = SamplerState()
+        tensors, key = tensor_key((args, kwargs))
+        self._data = (tensors, (key, module_key(self.model)))
         self._setup_chain(self._initial_params)
 
     def sample(self, params: Mapping[str, Tensor]) -> Params:
@@ -338,6 +364,8 @@ class StochasticGradientKernel(MCMCKernel):
         if not isinstance(potential, ModelPotential):
             raise ValueError(f"{type(self).__name__}.set_model_args: needs a kernel built on a model, after setup()")
         potential.model_args, potential.model_kwargs = tuple(args), dict(kwargs)
+        tensors, key = tensor_key((args, kwargs))  # the inputs (and capture key) of the compiled gradient
+        self._data = (tensors, (key, module_key(self.model)))
 
     def state_dict(self) -> dict:
         """The chain's bookkeeping (step counter, divergence record, ...) and per-chain state (momenta, inner chains),
@@ -420,7 +448,18 @@ class StochasticGradientKernel(MCMCKernel):
         return torch.randn_like(value) if temperature > 0 else None
 
     def _potential_grad(self, params: Mapping[str, Tensor]) -> tuple[Params, Tensor]:
-        """``(grad U, U)`` at ``params`` (one gradient evaluation; a fresh minibatch for a model)."""
+        """``(grad U, U)`` at ``params`` (one gradient evaluation; a fresh minibatch for a model): :meth:`_gradient`,
+        captured and compiled with ``jit_compile``."""
+        if not self.jit_compile:
+            return self._gradient(params)
+        names = list(params)
+        tensors, data_key = self._data
+        key = (tuple((n, params[n].shape, params[n].dtype, params[n].device) for n in names), data_key)
+        with torch.no_grad():
+            return self._compiled(key, lambda: self._gradient(params), lambda: [params[n] for n in names] + tensors)
+
+    def _gradient(self, params: Mapping[str, Tensor]) -> tuple[Params, Tensor]:
+        """``(grad U, U)`` at ``params``, eagerly (the hook a kernel with its own potential overrides)."""
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         with torch.enable_grad():
             potential = self.potential_fn(leaves)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import pyro.distributions as dist
 import torch
-from pyro.infer.autoguide.initialization import init_to_median
 from torch import Tensor
 from torch.distributions.transforms import Transform
 
@@ -22,7 +21,6 @@ from ...transforms.local_entropy import (
     local_entropy_potential,
 )
 from .base import ModelPotential, Params, initialize_sg_model
-from .schedules import StepSizeSchedule
 from .sgld import SGLD
 
 __all__ = ["EntropyMCMC", "CoupledPotential"]
@@ -84,16 +82,15 @@ class EntropyMCMC(SGLD):
     :param potential_fn: alternatively, a potential :math:`U(\{name: tensor\})`; the kernel adds the anchors (then
         ``initial_params`` need only hold the sites; missing anchors start at the sites' values).
     :param float eta: :math:`\eta > 0` (no default: it spans orders of magnitude between problems).
-    :param step_size: :math:`\varepsilon > 0` or a schedule.
-    :param float temperature: :math:`T \ge 0` (default 1).
     :param str collect: which sites ``MCMC`` keeps: ``"theta"`` (default, the weights), ``"anchor"`` (the flat
         :math:`\theta_a`) or ``"both"``; :func:`~pyro_flat.transforms.local_entropy_draws` turns the samples into draws
         of the original model.
     :param anchor_prior_scale: ``None`` (flat anchor prior, default) or the scale of a Gaussian prior on the anchors.
     :type anchor_prior_scale: float or None
-    :param init_strategy: per-site initialisation (default ``init_to_median``; anchors copy their site).
-    :param int thinning: gradient steps per draw after warm-up (default 1).
-    :param int divergence_check_every: steps between reads of the divergence record (default 100).
+    :param kwargs: the options of every kernel (:class:`~pyro_flat.infer.mcmc.StochasticGradientKernel`):
+        ``step_size`` (:math:`\varepsilon`, required), ``temperature`` (:math:`T`), ``init_strategy`` (anchors copy
+        their site), ``thinning``, ``divergence_check_every``, ``jit_compile`` (captures the model's potential with
+        the coupling), ``jit_options``.
 
     .. warning:: Like SGLD, biased at a finite step size. The coupling adds the stiffness :math:`1/\eta`: keep
         :math:`\varepsilon < \eta` (the chain on :math:`(\theta,\theta_a)` is unstable for
@@ -117,13 +114,9 @@ class EntropyMCMC(SGLD):
         potential_fn: Callable[[Params], Tensor] | None = None,
         *,
         eta: float,
-        step_size: float | StepSizeSchedule,
-        temperature: float = 1.0,
         collect: Literal["theta", "anchor", "both"] = "theta",
         anchor_prior_scale: float | None = None,
-        init_strategy: Callable = init_to_median,
-        thinning: int = 1,
-        divergence_check_every: int = 100,
+        **kwargs: Any,
     ) -> None:
         self.eta = _check_eta(eta, "EntropyMCMC")
         if collect not in ("theta", "anchor", "both"):
@@ -137,15 +130,7 @@ class EntropyMCMC(SGLD):
         flat_potential = None if potential_fn is None else local_entropy_potential(potential_fn, self.eta)
         self._base_potential = potential_fn
         self._sites: list[str] = []
-        super().__init__(
-            flat_model,
-            flat_potential,
-            step_size=step_size,
-            temperature=temperature,
-            init_strategy=init_strategy,
-            thinning=thinning,
-            divergence_check_every=divergence_check_every,
-        )
+        super().__init__(flat_model, flat_potential, **kwargs)
 
     def _initialize_model(
         self, args: tuple, kwargs: dict
@@ -163,7 +148,7 @@ class EntropyMCMC(SGLD):
     def _setup_chain(self, params: Params) -> None:
         self._sites = [k for k in params if not k.endswith(ANCHOR_SUFFIX)]
 
-    def _potential_grad(self, params: Mapping[str, Tensor]) -> tuple[Params, Tensor]:
+    def _gradient(self, params: Mapping[str, Tensor]) -> tuple[Params, Tensor]:
         """``(grad U_eta, U_eta)``: autograd through the model's potential only; the coupling and the anchor prior
         are added analytically (all in unconstrained coordinates), which saves passes over both copies of the
         weights."""

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pyro.infer.autoguide.initialization import init_to_median
 from torch import Tensor
 
 from ..._validation import check_int
 from ...ops.diffusions import coupling_grad, langevin_step, running_mean
 from ...transforms.local_entropy import _check_eta
 from .base import Params, StochasticGradientKernel
-from .schedules import StepSizeSchedule
 
 __all__ = ["EntropySGD"]
 
@@ -51,7 +49,6 @@ class EntropySGD(StochasticGradientKernel):
         ``potential_fn``.
     :param potential_fn: alternatively, a potential :math:`U(\{name: tensor\})`.
     :param float eta: :math:`\eta > 0`, the coupling variance.
-    :param step_size: the inner step size :math:`\varepsilon > 0` or a schedule (indexed by gradient step).
     :param int num_inner_steps: :math:`L \ge 1` (default 20, as in [1] and the Entropy-MCMC code).
     :param mean_weight: :math:`a \in (0, 1]` (default 0.25, the Entropy-MCMC code's :math:`5/L`; [1] uses 0.75), or
         ``None`` for the plain average of the :math:`L` inner positions.
@@ -59,10 +56,10 @@ class EntropySGD(StochasticGradientKernel):
     :param outer_step_size: :math:`\lambda > 0` (default :math:`\eta`).
     :type outer_step_size: float or None
     :param str inner_start: ``"continue"`` (default) or ``"outer"`` (restart the inner chain at :math:`x`).
-    :param float temperature: :math:`T \ge 0` (default 1) of the inner chain (and of the Entropy-SGLD outer step).
-    :param init_strategy: per-site initialisation (default ``init_to_median``).
-    :param int thinning: transitions per draw after warm-up (default 1).
-    :param int divergence_check_every: gradient steps between reads of the divergence record (default 100).
+    :param kwargs: the options of every kernel (:class:`~pyro_flat.infer.mcmc.StochasticGradientKernel`):
+        ``step_size`` (the inner step size :math:`\varepsilon`, indexed by gradient step, required),
+        ``temperature`` (:math:`T` of the inner chain and of the Entropy-SGLD outer step), ``init_strategy``,
+        ``thinning`` (transitions per draw), ``divergence_check_every``, ``jit_compile``, ``jit_options``.
 
     References:
         * [1] `Entropy-SGD: Biasing Gradient Descent Into Wide Valleys`, Pratik Chaudhari, Anna Choromanska, Stefano
@@ -80,25 +77,13 @@ class EntropySGD(StochasticGradientKernel):
         potential_fn: Callable[[Params], Tensor] | None = None,
         *,
         eta: float,
-        step_size: float | StepSizeSchedule,
         num_inner_steps: int = 20,
         mean_weight: float | None = 0.25,
         outer_step_size: float | None = None,
         inner_start: Literal["continue", "outer"] = "continue",
-        temperature: float = 1.0,
-        init_strategy: Callable = init_to_median,
-        thinning: int = 1,
-        divergence_check_every: int = 100,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model,
-            potential_fn,
-            step_size=step_size,
-            temperature=temperature,
-            init_strategy=init_strategy,
-            thinning=thinning,
-            divergence_check_every=divergence_check_every,
-        )
+        super().__init__(model, potential_fn, **kwargs)
         owner = type(self).__name__
         self.eta = _check_eta(eta, owner)
         self.num_inner_steps = check_int(num_inner_steps, "num_inner_steps", owner=owner)

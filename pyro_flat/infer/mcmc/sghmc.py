@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
-from pyro.infer.autoguide.initialization import init_to_median
 from torch import Tensor
 
 from ...ops.diffusions import sghmc_step
 from .base import Params, StochasticGradientKernel
-from .schedules import StepSizeSchedule
 
 __all__ = ["SGHMC"]
 
@@ -35,12 +34,10 @@ class SGHMC(StochasticGradientKernel):
     :param model: a Pyro model (see :class:`~pyro_flat.infer.mcmc.SGLD`); exactly one of ``model`` and
         ``potential_fn``.
     :param potential_fn: alternatively, a potential :math:`U(\{name: tensor\})`.
-    :param step_size: :math:`\varepsilon > 0` or a schedule.
     :param float friction: :math:`\alpha \in (0, 1]` (default 0.1, i.e. momentum 0.9; [1] uses 0.01-0.1).
-    :param float temperature: :math:`T \ge 0` (default 1).
-    :param init_strategy: per-site initialisation (default ``init_to_median``).
-    :param int thinning: gradient steps per draw after warm-up (default 1).
-    :param int divergence_check_every: steps between reads of the divergence record (default 100).
+    :param kwargs: the options of every kernel (:class:`~pyro_flat.infer.mcmc.StochasticGradientKernel`):
+        ``step_size`` (:math:`\varepsilon`, required), ``temperature`` (:math:`T`), ``init_strategy``, ``thinning``,
+        ``divergence_check_every``, ``jit_compile``, ``jit_options``.
 
     .. warning:: No Metropolis correction and no estimate of the gradient noise (:math:`\hat\beta = 0`): the chain is
         biased at a finite step size, like SGLD.
@@ -55,22 +52,10 @@ class SGHMC(StochasticGradientKernel):
         model: Callable | None = None,
         potential_fn: Callable[[Params], Tensor] | None = None,
         *,
-        step_size: float | StepSizeSchedule,
         friction: float = 0.1,
-        temperature: float = 1.0,
-        init_strategy: Callable = init_to_median,
-        thinning: int = 1,
-        divergence_check_every: int = 100,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model,
-            potential_fn,
-            step_size=step_size,
-            temperature=temperature,
-            init_strategy=init_strategy,
-            thinning=thinning,
-            divergence_check_every=divergence_check_every,
-        )
+        super().__init__(model, potential_fn, **kwargs)
         ok = isinstance(friction, (int, float)) and not isinstance(friction, bool) and math.isfinite(friction)
         if not ok or not 0 < friction <= 1:
             raise ValueError(f"SGHMC: expected friction in (0, 1], got {friction!r}")

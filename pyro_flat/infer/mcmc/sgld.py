@@ -26,12 +26,10 @@ class SGLD(StochasticGradientKernel):
         subsample_size=B)`` (or a plate without subsampling for full-batch Langevin); exactly one of ``model`` and
         ``potential_fn``.
     :param potential_fn: alternatively, a potential :math:`U(\{name: tensor\})` (then set ``initial_params``).
-    :param step_size: :math:`\varepsilon > 0` or a schedule (no default: it depends on :math:`N` and the model).
-    :param float temperature: :math:`T \ge 0` (default 1).
-    :param init_strategy: per-site initialisation (default ``init_to_median``; for networks
-        :class:`~pyro_flat.nn.init_to_network`).
-    :param int thinning: gradient steps per draw after warm-up (default 1).
-    :param int divergence_check_every: steps between reads of the divergence record (default 100).
+    :param kwargs: the options of every kernel (:class:`~pyro_flat.infer.mcmc.StochasticGradientKernel`):
+        ``step_size`` (:math:`\varepsilon > 0` or a schedule; no default: it depends on :math:`N` and the model),
+        ``temperature`` (:math:`T`, default 1), ``init_strategy`` (for networks :class:`~pyro_flat.nn.init_to_network`),
+        ``thinning``, ``divergence_check_every``, ``jit_compile`` (compile the gradient evaluation), ``jit_options``.
 
     Example::
 

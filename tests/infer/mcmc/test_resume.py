@@ -50,10 +50,13 @@ def test_a_chain_resumed_from_its_state_continues_exactly(name):
         assert all(torch.equal(chain[key][site], value) for site, value in values.items())
 
 
-def test_external_minibatches_replace_the_models_arguments():
-    batches = [DATA[:2], DATA[2:4], DATA[4:]]
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_external_minibatches_replace_the_models_arguments(jit_compile):
+    # compiled: the first step runs eagerly, the second is captured, the others evaluate the graph on the new batch
+    batches = [DATA[:2], DATA[2:4], DATA[4:]] * 2
     pyro.set_rng_seed(0)
-    kernel = SGLD(normal_normal, step_size=0.05, temperature=0.0)
+    kernel = SGLD(normal_normal, step_size=0.05, temperature=0.0, jit_compile=jit_compile,
+                  jit_options={"backend": None})
     kernel.setup(10, DATA[:2])
     params = start = kernel.initial_params
     for batch in batches:

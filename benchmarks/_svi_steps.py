@@ -1,0 +1,121 @@
+"""Shared SVI steps of the step-time benchmarks (``sharpness_aware_elbo.py``, ``kl_ball_elbo.py``, ``compiled.py``);
+timing is ``_timing.py``'s.
+
+* :class:`PyroStep`: one ``SVI.step`` (or, with ``torch_optim=True``, one ``torch.optim.Adam`` step on Pyro's
+  ``ELBOModule``) of a Bayesian network in its own parameter-store scope;
+* :class:`TorchBBB`: a hand-written mean-field Bayes-by-backprop step with the same arithmetic as ``Trace_ELBO`` +
+  ``AutoNormal`` (sampled weights ``loc + softplus(u) * eps``, sampled log prior and log guide, N/B-scaled
+  cross-entropy, one backward, Adam); subclasses replace :meth:`TorchBBB.likelihood_nll` to add a flat step;
+* :func:`mlp_model`, :func:`mlp_torch`: the MLP 64-256-256-10 of digits as a Pyro model and as hand-written torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pyro
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI
+
+from pyro_flat.nn import BayesianMLP
+
+HIDDEN = (256, 256)
+BATCH = 128
+LR = 1e-3
+INIT_SCALE = 1e-3
+
+
+def mlp_model() -> BayesianMLP:
+    """The Bayesian MLP 64-256-256-10 (prior N(0, 1) on every weight)."""
+    return BayesianMLP(64, 10, HIDDEN)
+
+
+def _mlp_forward(weights, x):
+    w1, b1, w2, b2, w3, b3 = weights
+    return F.linear(F.relu(F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)), w3, b3)
+
+
+def mlp_torch() -> tuple[list[torch.Tensor], Callable]:
+    """The same MLP written by hand: its initial weights and ``forward(weights, x)``."""
+    net = torch.nn.Sequential(torch.nn.Linear(64, HIDDEN[0]), torch.nn.ReLU(), torch.nn.Linear(*HIDDEN),
+                              torch.nn.ReLU(), torch.nn.Linear(HIDDEN[1], 10))
+    return list(net.parameters()), _mlp_forward
+
+
+class PyroStep:
+    """An SVI step in its own parameter-store scope (swapped in and out around each timed block, not per step).
+
+    :param torch_optim: train with ``torch.optim.Adam`` on ``loss(model, guide)`` (Pyro's ``ELBOModule``) instead of
+        ``SVI`` with ``pyro.optim.Adam`` (one torch optimiser per parameter).
+    """
+
+    def __init__(self, model, x, y, loss, guide_factory: Callable, batch: int = BATCH, *,
+                 torch_optim: bool = False) -> None:
+        self.x, self.y, self.batch = x, y, batch
+        self.store = pyro.get_param_store()
+        self.store.clear()
+        self.model, self.loss = model, loss
+        guide = guide_factory(model)
+        if torch_optim:
+            guide(x, y, subsample_size=batch)
+            self.module = loss(model, guide)
+            self.optim = torch.optim.Adam(self.module.parameters(), lr=LR)
+        else:
+            self.svi = SVI(model, guide, pyro.optim.Adam({"lr": LR}), loss)
+        self.step()  # sets the guide up
+        self.state = self.store.get_state()
+
+    def enter(self) -> None:
+        self.store.clear()
+        self.store.set_state(self.state)
+
+    def exit(self) -> None:
+        self.state = self.store.get_state()
+
+    def step(self) -> None:
+        if hasattr(self, "svi"):
+            self.svi.step(self.x, self.y, subsample_size=self.batch)
+            return
+        self.optim.zero_grad()
+        self.module(self.x, self.y, subsample_size=self.batch).backward()
+        self.optim.step()
+
+
+class TorchBBB:
+    """Mean-field Bayes by backprop written by hand: Trace_ELBO + AutoNormal's arithmetic on the same network.
+
+    :param params: the network's initial weights (the means start there).
+    :param forward: ``forward(weights, x) -> logits``.
+    """
+
+    def __init__(self, x, y, params: list[torch.Tensor], forward: Callable, batch: int = BATCH) -> None:
+        self.x, self.y, self.batch = x, y, batch
+        self.num_data = len(self.x)
+        self.forward = forward
+        inv_softplus = math.log(math.expm1(INIT_SCALE))
+        self.locs = [p.detach().clone().requires_grad_() for p in params]
+        self.raw_scales = [torch.full_like(p, inv_softplus).requires_grad_() for p in self.locs]
+        self.optim = torch.optim.Adam(self.locs + self.raw_scales, lr=LR)
+
+    def nll(self, weights, x, y):
+        return F.cross_entropy(self.forward(weights, x), y, reduction="sum") * (self.num_data / len(x))
+
+    def likelihood_nll(self, weights, scales, noise, x, y):
+        """The data term of the step; a flat variant evaluates it at perturbed weights."""
+        return self.nll(weights, x, y)
+
+    def step(self) -> None:
+        idx = torch.randperm(self.num_data)[:self.batch]
+        x, y = self.x[idx], self.y[idx]
+        scales = [F.softplus(u) for u in self.raw_scales]
+        noise = [torch.randn_like(m) for m in self.locs]
+        weights = [m + s * e for m, s, e in zip(self.locs, scales, noise, strict=True)]
+        log_prior = sum(torch.distributions.Normal(0.0, 1.0).log_prob(w).sum() for w in weights)
+        log_q = sum(torch.distributions.Normal(m, s).log_prob(w).sum()
+                    for w, m, s in zip(weights, self.locs, scales, strict=True))
+        loss = self.likelihood_nll(weights, scales, noise, x, y) - log_prior + log_q
+        self.optim.zero_grad()
+        loss.backward()
+        self.optim.step()

@@ -1,0 +1,264 @@
+"""Step time of the flat objectives and kernels, eager and compiled, against hand-written eager torch steps.
+
+The ratios of issue 14, measured side by side in one run (every variant timed in every repeat, the order alternating,
+median over repeats), for one network:
+
+* ``--network mlp``: the MLP 64-256-256-10 on sklearn's digits (1257 training points), minibatch 128;
+* ``--network resnet18``: ResNet-18 with the CIFAR stem (3x3 stride-1 first convolution, no max-pool; BatchNorm),
+  all 11.2 M weights latent, on CIFAR-shaped synthetic data (1024 points, 3x32x32, 10 classes: nothing downloads),
+  minibatch 32.
+
+Variants (float32, one thread, Pyro's default validation on; the compiled steps run without it, their checks ran
+at the eager steps): SVI steps with ``AutoNormal`` and ``pyro.optim.Adam`` — ``Trace_ELBO`` and Pyro's
+``JitTrace_ELBO``, ``SharpnessAwareELBO`` (rho 0.05) and ``JitSharpnessAwareELBO``, ``KLBallELBO`` (radius 0.01,
+Fisher direction) and ``JitKLBallELBO``; the SA-ELBO also with ``torch.optim.Adam`` on Pyro's ``ELBOModule`` (one
+optimiser instead of Pyro's one per parameter); the hand-written torch steps doing the same arithmetic (Bayes by
+backprop, + SAM, + the KL-ball step, see ``_svi_steps.py``); SGLD eager and with ``jit_compile=True``, as the
+kernel's ``sample`` applied to its own output and (MLP only) inside ``pyro.infer.MCMC`` (one ``MCMC.run`` of
+``--draws`` gradient steps per timed step, its set-up included, every step kept as a draw or every 10th), and an
+idiomatic hand-written torch SGLD loop (``nn.Module``, ``F.cross_entropy``, in-place updates).
+
+The warm-up (``--warmup`` steps, untimed) includes each compiled variant's capture and compilation, reported beside
+the step times.
+
+Run: ``python benchmarks/compiled.py --network mlp`` (writes ``benchmarks/results/compiled_mlp.md``) and
+``python benchmarks/compiled.py --network resnet18 --repeats 3 --steps 2`` (``compiled_resnet18.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+import warnings
+from pathlib import Path
+
+import pyro
+import torch
+import torch.nn.functional as F
+from _report import write_markdown
+from _svi_steps import INIT_SCALE, PyroStep, TorchBBB, mlp_model, mlp_torch
+from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, time_block, timing_rows
+from kl_ball_elbo import RADIUS, TorchKLBall
+from pyro.infer import MCMC, JitTrace_ELBO, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from sharpness_aware_elbo import RHO, TorchBBBSAM
+from torch import nn
+from torch.func import functional_call
+
+from pyro_flat.data import load_digits
+from pyro_flat.infer import (
+    JitKLBallELBO,
+    JitSharpnessAwareELBO,
+    KLBallELBO,
+    SharpnessAwareELBO,
+)
+from pyro_flat.infer.mcmc import SGLD
+from pyro_flat.nn import BayesianClassifier, init_to_network, make_bayesian
+
+STEP_SIZE = 1e-6
+
+
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    """ResNet-18 with the CIFAR stem: pyro_flat.nn's (issue 12) when present, else torchvision's resnet18 with a 3x3
+    stride-1 first convolution and no max-pool."""
+    try:
+        from pyro_flat.nn import resnet18
+    except ImportError:
+        import torchvision
+
+        net = torchvision.models.resnet18(num_classes=num_classes)
+        net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+        return net
+    return resnet18(num_classes)
+
+
+class Network:
+    """A network as a Pyro model and as hand-written torch, with its data."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "mlp":
+            data = load_digits(dtype=torch.float32)
+            self.x, self.y, self.batch = data.x_train, data.y_train, 128
+            self.describe = "MLP 64-256-256-10 on digits (N = 1257), minibatch 128"
+            self.make_model = mlp_model
+            self.torch_params, self.torch_forward = mlp_torch()
+            self.make_net = lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                                  nn.Linear(256, 10))
+        elif name == "resnet18":
+            generator = torch.Generator().manual_seed(0)
+            self.x = torch.randn(1024, 3, 32, 32, generator=generator)
+            self.y = torch.randint(0, 10, (1024,), generator=generator)
+            self.batch = 32
+            self.describe = ("ResNet-18, CIFAR stem, BatchNorm, 11.2 M latent weights, on CIFAR-shaped synthetic data "
+                             "(N = 1024), minibatch 32")
+            net = resnet18_cifar()
+            names = [n for n, _ in net.named_parameters()]
+            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net)), 10)
+            self.torch_params = list(net.parameters())
+            self.torch_forward = lambda weights, x: functional_call(net, dict(zip(names, weights, strict=True)), (x,))
+            self.make_net = lambda: copy.deepcopy(net)
+        else:
+            raise ValueError(f"unknown network {name!r}")
+
+    def svi(self, loss, *, torch_optim: bool = False) -> PyroStep:
+        def guide(model):
+            return AutoNormal(model, init_loc_fn=init_to_network(model), init_scale=INIT_SCALE)
+
+        return PyroStep(self.make_model(), self.x, self.y, loss, guide, self.batch, torch_optim=torch_optim)
+
+    def torch_step(self, cls: type) -> TorchBBB:
+        return cls(self.x, self.y, self.torch_params, self.torch_forward, self.batch)
+
+
+class TorchSGLD:
+    """Idiomatic hand-written SGLD: ``nn.Module`` forward, ``F.cross_entropy(sum) * N/B + |theta|^2 / 2`` (the N(0, 1)
+    prior), autograd, in-place Langevin updates."""
+
+    def __init__(self, network: Network) -> None:
+        self.x, self.y, self.batch = network.x, network.y, network.batch
+        self.net = network.make_net()
+        self.params = list(self.net.parameters())
+        self.noise_scale = math.sqrt(2 * STEP_SIZE)
+
+    def step(self) -> None:
+        idx = torch.randperm(len(self.x))[: self.batch]
+        loss = F.cross_entropy(self.net(self.x[idx]), self.y[idx], reduction="sum") * (len(self.x) / self.batch)
+        loss = loss + 0.5 * sum((p * p).sum() for p in self.params)
+        grads = torch.autograd.grad(loss, self.params)
+        with torch.no_grad():
+            for p, g in zip(self.params, grads, strict=True):
+                p.add_(g, alpha=-STEP_SIZE).add_(torch.randn_like(p), alpha=self.noise_scale)
+
+
+class KernelSteps:
+    """Gradient steps of an SG-MCMC kernel: one ``MCMC.run`` of ``draws`` draws, each ``thinning`` gradient steps
+    apart, per ``step()`` (``draws > 0``, set-up included, every draw kept), or the kernel's ``sample`` applied to its
+    own output (``draws = 0``)."""
+
+    def __init__(self, network: Network, draws: int, thinning: int = 1, **options: object) -> None:
+        self.network, self.draws = network, draws
+        model = network.make_model()
+        self.kernel = SGLD(model, step_size=STEP_SIZE, init_strategy=init_to_network(model), thinning=thinning,
+                           **options)
+        self.units_per_step = max(draws * thinning, 1)
+        if not draws:
+            self.kernel.setup(0, network.x, network.y, subsample_size=network.batch)
+            self.params = self.kernel.initial_params
+
+    def step(self) -> None:
+        if self.draws:
+            mcmc = MCMC(self.kernel, num_samples=self.draws, warmup_steps=0, disable_progbar=True)
+            mcmc.run(self.network.x, self.network.y, subsample_size=self.network.batch)
+        else:
+            self.params = self.kernel.sample(self.params)
+
+
+def compile_times(variant: object) -> str:
+    """``capture s / compile s`` of a compiled pyro_flat variant."""
+    owner = getattr(variant, "loss", None) or getattr(variant, "kernel", None)
+    captures = owner._compiled.captures() if hasattr(owner, "_compiled") else []
+    if not captures:
+        return "–"
+    return " + ".join(f"{c.capture_seconds:.1f} / " + ("not compiled" if c.compile_seconds is None else
+                                                      f"{c.compile_seconds:.1f}") for c in captures)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--network", choices=["mlp", "resnet18"], default="mlp")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps first (capture and compilation)")
+    parser.add_argument("--draws", type=int, default=100,
+                        help="draws per MCMC.run, one timed SGLD step of the MLP (0: kernel.sample instead)")
+    parser.add_argument("--jit-backend", default="inductor", help="torch.compile backend of the compiled variants")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="use TorchInductor's on-disk cache (default: a fresh one, so compile times are cold)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    out = args.out or Path(__file__).parent / "results" / f"compiled_{args.network}.md"
+    if not args.warm_cache:
+        fresh_compile_cache()
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    pyro.enable_validation(True)
+    pyro.set_rng_seed(0)
+    warnings.filterwarnings("ignore", "`torch.jit.trace` is deprecated", FutureWarning)  # JitTrace_ELBO's tracer
+    network = Network(args.network)
+    jit = {"backend": None if args.jit_backend == "none" else args.jit_backend}
+    draws = args.draws if args.network == "mlp" else 0
+    variants = {
+        "Trace_ELBO": network.svi(Trace_ELBO()),
+        "JitTrace_ELBO (Pyro)": network.svi(JitTrace_ELBO(ignore_jit_warnings=True)),
+        "SharpnessAwareELBO": network.svi(SharpnessAwareELBO(RHO)),
+        "JitSharpnessAwareELBO": network.svi(JitSharpnessAwareELBO(RHO, jit_options=jit)),
+        "SharpnessAwareELBO, torch.optim on ELBOModule": network.svi(SharpnessAwareELBO(RHO), torch_optim=True),
+        "JitSharpnessAwareELBO, torch.optim on ELBOModule": network.svi(JitSharpnessAwareELBO(RHO, jit_options=jit),
+                                                                        torch_optim=True),
+        "KLBallELBO": network.svi(KLBallELBO(RADIUS)),
+        "JitKLBallELBO": network.svi(JitKLBallELBO(RADIUS, jit_options=jit)),
+        "torch BBB": network.torch_step(TorchBBB),
+        "torch BBB-SAM": network.torch_step(TorchBBBSAM),
+        "torch KL-ball": network.torch_step(TorchKLBall),
+        "SGLD.sample": KernelSteps(network, 0),
+        "SGLD.sample, jit_compile=True": KernelSteps(network, 0, jit_compile=True, jit_options=jit),
+        "torch SGLD (idiomatic)": TorchSGLD(network),
+    }
+    if draws:
+        for thinning in (1, 10):
+            name = "MCMC(SGLD)" if thinning == 1 else f"MCMC(SGLD, thinning={thinning})"
+            variants[name] = KernelSteps(network, draws // thinning, thinning)
+            variants[name[:-1] + ", jit_compile=True)"] = KernelSteps(network, draws // thinning, thinning,
+                                                                       jit_compile=True, jit_options=jit)
+    warmup = {}
+    for name, variant in variants.items():
+        start = time.perf_counter()
+        time_block(variant, args.warmup)
+        warmup[name] = time.perf_counter() - start
+    times = interleaved_times(variants, args.repeats, args.steps)
+    med = medians_ms(times)
+    table = [
+        ("SharpnessAwareELBO / torch BBB-SAM", "SharpnessAwareELBO", "JitSharpnessAwareELBO", "torch BBB-SAM",
+         "≤ 1.3 eager, ≤ 1.0 compiled"),
+        ("SharpnessAwareELBO / torch BBB-SAM, torch.optim on ELBOModule",
+         "SharpnessAwareELBO, torch.optim on ELBOModule", "JitSharpnessAwareELBO, torch.optim on ELBOModule",
+         "torch BBB-SAM", "(Pyro's one optimiser per parameter removed)"),
+        ("Trace_ELBO / torch BBB (Pyro's own cost)", "Trace_ELBO", "JitTrace_ELBO (Pyro)", "torch BBB",
+         "measured alongside"),
+        ("KLBallELBO / torch KL-ball", "KLBallELBO", "JitKLBallELBO", "torch KL-ball", "≤ 1.0 compiled"),
+        ("SGLD kernel steps (SGLD.sample) / torch SGLD (idiomatic)", "SGLD.sample", "SGLD.sample, jit_compile=True",
+         "torch SGLD (idiomatic)", "≤ 1.0 compiled"),
+    ]
+    if draws:
+        table[3:3] = [
+            ("MCMC(SGLD) / torch SGLD (idiomatic)", "MCMC(SGLD)", "MCMC(SGLD, jit_compile=True)",
+             "torch SGLD (idiomatic)", "≤ 1.0 compiled"),
+            ("MCMC(SGLD, thinning=10) / torch SGLD (idiomatic)", "MCMC(SGLD, thinning=10)",
+             "MCMC(SGLD, thinning=10, jit_compile=True)", "torch SGLD (idiomatic)", "(every 10th step kept)"),
+        ]
+    lines = [
+        f"# Eager and compiled step times: {args.network}",
+        "",
+        f"{network.describe}; AutoNormal guides (init scale {INIT_SCALE}), Adam 1e-3, float32, Pyro's validation on "
+        f"(the compiled steps run without it). {args.repeats} repeats x {args.steps} steps per variant, variants "
+        f"interleaved (order alternating), median; {args.warmup} untimed warm-up steps first. Compiled variants: "
+        f"torch.compile backend `{args.jit_backend}`, "
+        f"{'warm' if args.warm_cache else 'fresh (cold)'} TorchInductor cache. {environment()}",
+        "",
+        "| ratio | eager | compiled | goal |",
+        "|---|---|---|---|",
+    ]
+    for label, eager, compiled, base, goal in table:
+        lines.append(f"| {label} | {med[eager] / med[base]:.2f} | {med[compiled] / med[base]:.2f} | {goal} |")
+    lines += ["", *timing_rows(times), "", "| variant | warm-up (s) | capture / compile (s) |", "|---|---|---|"]
+    for name, variant in variants.items():
+        lines.append(f"| {name} | {warmup[name]:.1f} | {compile_times(variant)} |")
+    return write_markdown(lines, out, __file__, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+r"""Compiled flat objectives, like Pyro's :class:`~pyro.infer.JitTrace_ELBO`: the loss of a step is captured once as a
+pure function of the guide's (and the model's) parameters, the model's tensor arguments and the step's random numbers
+(:mod:`pyro_flat.infer.compiled`), then compiled with :func:`torch.compile`.
+
+Each class computes exactly the loss of its eager counterpart — the same guide draw, minibatch, perturbed pass and
+random numbers (given the same seed, the same values up to floating-point rounding) — only without re-running Pyro's
+tracing at every step. As for ``JitTrace_ELBO``, the model and guide must have a static structure for given argument
+shapes: a capture is made per model, guide, shapes, dtypes and devices of the tensor arguments, values of the other
+arguments, and train/eval modes and buffers of ``nn.Module`` models and guides. The first step of each runs eagerly
+(guides set themselves up), the second is captured (an eager step recorded), the third compiles (tens of seconds on
+a CPU), later ones run the compiled loss. A model that cannot be captured (Python control flow on tensor values, a
+random draw that depends on learned values, ...) runs eagerly after one
+:class:`~pyro_flat.infer.compiled.CompilationFallbackWarning` naming the reason.
+
+``loss_and_grads`` and ``differentiable_loss`` are compiled; ``loss`` (``SVI.evaluate_loss``) is the eager one, as in
+Pyro.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.distributions.util import scale_and_mask
+from pyro.poutine.runtime import _PYRO_STACK, effectful
+from pyro.util import warn_if_nan
+from torch import Tensor
+from torch.distributions import kl_divergence
+
+from ..compiled import CompiledCalls, module_key, tensor_key
+from .kl_ball import KLBallELBO
+from .sharpness_aware import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
+
+__all__ = ["JitKLBallELBO", "JitSharpnessAwareELBO", "JitSharpnessAwareMeanFieldELBO"]
+
+
+@effectful(type="param")
+def _compiled_param(name: str, value: Tensor) -> Tensor:
+    """A parameter statement whose constrained value a compiled step has computed (``pyro.param`` would compute it
+    again)."""
+    return value
+
+
+class _Jit:
+    """Shared by the compiled ELBOs: the loss of a step evaluated through :class:`~pyro_flat.infer.compiled
+    .CompiledCalls`."""
+
+    def __init__(self, *args: Any, jit_options: dict | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if jit_options is not None and not isinstance(jit_options, dict):
+            raise ValueError(f"{type(self).__name__}: `jit_options` must be a dict or None, got {jit_options!r}")
+        self.jit_options = None if jit_options is None else dict(jit_options)
+        self._compiled = CompiledCalls(type(self).__name__, jit_options)
+        self._param_names: dict[Hashable, list[str]] = {}
+        self._programs: dict[Hashable, tuple[Callable, Callable]] = {}
+
+    def _particle_loss(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> Tensor:
+        """:math:`-[\\log p - \\log q]` of one particle (every guide site is reparameterised, checked by the eager
+        ELBO)."""
+        return guide_trace.log_prob_sum() - model_trace.log_prob_sum()
+
+    def _eager_loss(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> Tensor:
+        loss = 0.0
+        for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+            loss = loss + self._particle_loss(model_trace, guide_trace) / self.num_particles
+        return torch.as_tensor(loss)
+
+    def compiled_loss(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> Tensor:
+        """The loss of one step (a differentiable scalar tensor), evaluated eagerly, captured or compiled."""
+        tensors, arg_key = tensor_key((args, kwargs))
+        key = (id(model), id(guide), arg_key, module_key(model, guide), torch.is_grad_enabled())
+        self._programs.setdefault(key, (model, guide))  # holds them, so that their ids stay theirs
+        mode = self._compiled.mode(key)
+
+        def step() -> tuple[Tensor, list[Tensor]]:
+            with poutine.trace(param_only=True) as params:
+                loss = self._eager_loss(model, guide, args, kwargs)
+            names = self._param_names[key] = sorted(params.trace.nodes)
+            # the captured step also returns the parameters' constrained values, for the parameter statements
+            store = pyro.get_param_store()
+            return loss, [store[name] for name in names] if mode == "capture" else []
+
+        def inputs() -> list[Tensor]:
+            store = pyro.get_param_store()._params
+            return [store[name] for name in self._param_names[key]] + tensors
+
+        loss, constrained = self._compiled(key, step, inputs)
+        if mode == "captured":
+            self._report_parameters(key, constrained)
+        return loss
+
+    def _report_parameters(self, key: Hashable, constrained: list[Tensor]) -> None:
+        """The parameter statements of a compiled step, as the eager step makes them, for the enclosing handlers
+        (``SVI`` collects the parameters it optimises there), with the values the graph computed."""
+        if not _PYRO_STACK:
+            return
+        store = pyro.get_param_store()._params
+        for name, value in zip(self._param_names[key], constrained, strict=True):
+            value.unconstrained = weakref.ref(store[name])
+            if _compiled_param(name, value, name=name) is not value:
+                raise NotImplementedError(
+                    f"{type(self).__name__}: a handler replaced the value of parameter {name!r} of a compiled step, "
+                    f"which computed with the stored value; use {type(self).__name__[3:]} (eager) under such handlers"
+                )
+
+    def differentiable_loss(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> Tensor:
+        loss = self.compiled_loss(model, guide, *args, **kwargs)
+        warn_if_nan(loss, "loss")
+        return loss
+
+    def loss_and_grads(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> float:
+        loss = self.compiled_loss(model, guide, *args, **kwargs)
+        if loss.requires_grad:
+            loss.backward(retain_graph=self.retain_graph)
+        value = loss.item()
+        warn_if_nan(value, "loss")
+        return value
+
+    def captures(self) -> list:
+        """The :class:`~pyro_flat.infer.compiled.CapturedFunction` s made so far (with their capture and compile
+        times)."""
+        return self._compiled.captures()
+
+
+class JitSharpnessAwareELBO(_Jit, SharpnessAwareELBO):
+    r""":class:`~pyro_flat.infer.SharpnessAwareELBO` with the loss of a step captured once and compiled (see the
+    module docstring), like :class:`~pyro.infer.JitTrace_ELBO`.
+
+    :param float rho: the SAM radius :math:`\rho\ge0` (default 0.05).
+    :param jit_options: options of :func:`torch.compile` (``backend``, ``mode``, ``options``); ``{"backend": None}``
+        runs the captured graph without compiling it.
+    :type jit_options: dict or None
+    :param kwargs: the options of :class:`~pyro_flat.infer.SharpnessAwareELBO` (``adaptive``, ``freeze_batchnorm``,
+        ``distributed``, ``num_particles``, ...).
+    """
+
+
+class JitSharpnessAwareMeanFieldELBO(_Jit, SharpnessAwareMeanFieldELBO):
+    r""":class:`~pyro_flat.infer.SharpnessAwareMeanFieldELBO` with the loss of a step captured once and compiled
+    (see the module docstring), like :class:`~pyro.infer.JitTraceMeanField_ELBO`.
+
+    :param float rho: the SAM radius :math:`\rho\ge0` (default 0.05).
+    :param jit_options: options of :func:`torch.compile`; ``{"backend": None}`` runs the captured graph uncompiled.
+    :type jit_options: dict or None
+    :param kwargs: the options of :class:`~pyro_flat.infer.SharpnessAwareMeanFieldELBO`.
+    """
+
+    def _particle_loss(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> Tensor:
+        # TraceMeanField_ELBO's particle: the analytic KL where the guide samples a model site from a distribution
+        # with a registered KL divergence to its prior, the sampled estimate otherwise (its value, not a host read)
+        elbo = 0.0
+        for name, site in model_trace.nodes.items():
+            if site["type"] != "sample":
+                continue
+            if site["is_observed"]:
+                elbo = elbo + site["log_prob_sum"]
+                continue
+            guide_site = guide_trace.nodes[name]
+            try:
+                kl = kl_divergence(guide_site["fn"], site["fn"])
+            except NotImplementedError:
+                elbo = elbo + site["log_prob_sum"] - guide_site["score_parts"].entropy_term.sum()
+            else:
+                elbo = elbo - scale_and_mask(kl, guide_site["scale"], guide_site["mask"]).sum()
+        for name, site in guide_trace.nodes.items():
+            if site["type"] == "sample" and name not in model_trace.nodes:  # auxiliary sites
+                elbo = elbo - site["score_parts"].entropy_term.sum()
+        return -elbo
+
+
+class JitKLBallELBO(_Jit, KLBallELBO):
+    r""":class:`~pyro_flat.infer.KLBallELBO` (SA-BMA) with the loss of a step captured once and compiled (see the
+    module docstring); the Fisher direction (closed form or conjugate gradients) is part of the compiled step.
+
+    :param float radius: :math:`\gamma\ge0` in nats (required).
+    :param jit_options: options of :func:`torch.compile`; ``{"backend": None}`` runs the captured graph uncompiled.
+    :type jit_options: dict or None
+    :param kwargs: the options of :class:`~pyro_flat.infer.KLBallELBO` (``direction``, ``kl_weight``, ``fisher``,
+        ...).
+    """
