@@ -75,13 +75,15 @@ def _svi_run(elbo, case: Case):
 
 
 @pytest.mark.parametrize(("method", "case"), PAIRS, ids=[f"{m}-{c.name}" for m, c in PAIRS])
-def test_compiled_objective_steps_are_the_eager_steps(method, case):
+def test_compiled_objective_steps_are_the_eager_steps(method, case, outcome):
+    outcome.check(f"Jit{method}", case.name, "compiled steps = eager steps")
     eager, compiled = OBJECTIVES[method]
     refusal = expected_refusal(method, case)
     if refusal is not None:  # the first step is the eager one: the same clear error
         with pytest.raises(ValueError, match=refusal), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Found vars in model but not guide")
             _svi_run(compiled(0.05, jit_options=GRAPH, **case.elbo_kwargs), case)
+        outcome.refused()
         return
     ref_losses, ref_params, ref_next = _svi_run(eager(0.05, **case.elbo_kwargs), case)
     elbo = compiled(0.05, jit_options=GRAPH, **case.elbo_kwargs)
@@ -120,11 +122,13 @@ def _mcmc_run(kernel, case: Case):
 
 
 @pytest.mark.parametrize(("kernel", "case"), KERNEL_PAIRS, ids=[f"{k}-{c.name}" for k, c in KERNEL_PAIRS])
-def test_compiled_kernel_draws_are_the_eager_draws(kernel, case):
+def test_compiled_kernel_draws_are_the_eager_draws(kernel, case, outcome):
+    outcome.check(f"{kernel} (jit_compile=True)", case.name, "compiled draws = eager draws")
     refusal = _model_refusal(case, kernel)
     if refusal is not None:
         with pytest.raises(ValueError, match=refusal):
             _mcmc_run(KERNELS[kernel](case.model, jit_compile=True, jit_options=GRAPH), case)
+        outcome.refused()
         return
     ref_samples, ref_next = _mcmc_run(KERNELS[kernel](case.model), case)
     compiled = KERNELS[kernel](case.model, jit_compile=True, jit_options=GRAPH)
