@@ -1,7 +1,6 @@
 """The documentation stays true: generated pages equal their generators' output, and the code on the guide and
 method pages runs (the Sphinx build itself runs in CI with warnings as errors, after the tests)."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -16,15 +15,8 @@ RUNNABLE = ["guide/quickstart.md", "guide/your-own-model.md", "methods/sharpness
             "methods/trajectories.md", "methods/sgmcmc.md"]
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_result_pages_are_the_rendering_of_the_results():
-    pages = _script("results_pages").pages()
+def test_result_pages_are_the_rendering_of_the_results(script):
+    pages = script("results_pages").pages()
     assert len(pages) >= 10
     for path, text in pages.items():
         assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run python scripts/results_pages.py"
@@ -40,8 +32,8 @@ def test_every_result_page_is_shown_and_every_figure_exists():
             assert (ROOT / figure).is_file(), figure
 
 
-def test_conformance_page_is_the_rendering_of_the_suite_outcomes():
-    table = _script("conformance_table")
+def test_conformance_page_is_the_rendering_of_the_suite_outcomes(script):
+    table = script("conformance_table")
     records = json.loads(table.OUTCOMES.read_text())
     page = table.PAGE.read_text()
     assert table.summary(records) in page and table.detail(records) in page

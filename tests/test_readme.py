@@ -1,7 +1,6 @@
 """The README stays true: its commands are what CI runs, its quick start runs, its links resolve, its table is the
 rendering of the committed results, and it stays a front door (at most 200 lines)."""
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -11,13 +10,6 @@ README = (ROOT / "README.md").read_text()
 
 def _code_blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_readme_is_a_front_door():
@@ -59,8 +51,8 @@ def test_relative_links_resolve():
     assert not missing
 
 
-def test_flat_vs_base_table_is_the_rendering_of_the_results():
-    pages = _script("results_pages")
+def test_flat_vs_base_table_is_the_rendering_of_the_results(script):
+    pages = script("results_pages")
     assert pages.readme_with_summary(README) == README
     block = README.split(pages.START, 1)[1].split(pages.END, 1)[0]
     assert block.count("\n|") >= 10  # one row per pair and data set

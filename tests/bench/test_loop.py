@@ -114,11 +114,8 @@ def _interrupt_at(step: int, monkeypatch) -> None:
     monkeypatch.setattr(loop.TrainingLoop, "__iter__", interrupted)
 
 
-@pytest.mark.parametrize("method, kill_at", [("ensemble", 47), ("f_swag", 17), ("csgld", 23), ("bsam", 11)])
-def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, monkeypatch):
-    """The other families of state (ensemble members: phases; SAM/bSAM: torch optimizers, schedules, a SWAG
-    collector; cSGLD: a cyclical kernel), interrupted by an exception at a step instead of a kill."""
-    config = TINY.replace(num_epochs=4, ensemble_size=2)
+def _uninterrupted_and_resumed(method, kill_at, config, tmp_path, monkeypatch):
+    """The record of an uninterrupted run, and of a run interrupted at step ``kill_at`` and resumed."""
     reference = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "a",
                               checkpoint_every=3)[0]
     _interrupt_at(kill_at, monkeypatch)
@@ -128,6 +125,15 @@ def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, mo
     monkeypatch.undo()
     resumed = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
                             resume=True)[0]
+    return reference, resumed
+
+
+@pytest.mark.parametrize("method, kill_at", [("ensemble", 47), ("f_swag", 17), ("csgld", 23), ("bsam", 11)])
+def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, monkeypatch):
+    """The other families of state (ensemble members: phases; SAM/bSAM: torch optimizers, schedules, a SWAG
+    collector; cSGLD: a cyclical kernel), interrupted by an exception at a step instead of a kill."""
+    reference, resumed = _uninterrupted_and_resumed(method, kill_at, TINY.replace(num_epochs=4, ensemble_size=2),
+                                                    tmp_path, monkeypatch)
     assert resumed.metrics == reference.metrics and torch.equal(resumed.test_probs, reference.test_probs)
 
 
@@ -136,16 +142,8 @@ def test_resume_in_process_for_every_kind_of_state(method, kill_at, tmp_path, mo
 def test_resume_on_a_gpu(method, kill_at, tmp_path, monkeypatch):
     """Checkpoints are read onto the CPU and their tensors moved back to the run's device (CUDA kernels may not be
     deterministic: the resumed metrics are compared to a tolerance)."""
-    config = TINY.replace(num_epochs=4, device="cuda")
-    reference = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "a",
-                              checkpoint_every=3)[0]
-    _interrupt_at(kill_at, monkeypatch)
-    with pytest.raises(_Killed):
-        run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
-                      checkpoint_every=3)
-    monkeypatch.undo()
-    resumed = run_benchmark(["digits"], [method], [0], config, progress=False, checkpoint_dir=tmp_path / "b",
-                            resume=True)[0]
+    reference, resumed = _uninterrupted_and_resumed(method, kill_at, TINY.replace(num_epochs=4, device="cuda"),
+                                                    tmp_path, monkeypatch)
     for key, value in reference.metrics.items():
         assert resumed.metrics[key] == pytest.approx(value, rel=1e-3, abs=1e-4), key
 
