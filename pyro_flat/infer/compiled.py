@@ -595,6 +595,13 @@ def tensor_key(tree: Any) -> tuple[list[Tensor], Hashable]:
     return tensors, tuple(key)
 
 
+def options_key(obj: object) -> Hashable:
+    """The public scalar options of ``obj`` as they are now (an objective's ``rho``, ``radius``, ``kl_weight``; a
+    kernel's ``eta``, ``temperature``, ...): a capture bakes them into its graph, so a change must capture again."""
+    scalars = (bool, int, float, str, type(None))
+    return tuple(sorted((k, v) for k, v in vars(obj).items() if not k.startswith("_") and isinstance(v, scalars)))
+
+
 def module_key(*objects: object) -> Hashable:
     """The state of the ``nn.Module`` s among ``objects`` that a capture depends on: their submodules' train/eval
     modes and the identity of their buffers (replaced by ``.to()``)."""
@@ -676,12 +683,15 @@ class CompiledCalls:
             return fn()
         if not entry.compiling:
             return entry(inputs())
+        devices = _cuda_devices()
+        state = _get_random_state(devices)  # the failed attempt may have drawn the step's random numbers already
         try:
             return entry(inputs())
         except Exception as error:  # noqa: BLE001 (torch.compile failed; the captured graph is still exact)
             entry.uncompile()
             self.fallback(f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0]}); the captured "
                           "graph runs uncompiled", eager=False)
+            _set_random_state(state, devices)
             return entry(inputs())
 
     def captures(self) -> list[CapturedFunction]:

@@ -244,6 +244,57 @@ def test_new_shapes_or_modes_are_captured_again():
     assert len(elbo.captures()) == 3
 
 
+def _regression(x, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal(w * x, 0.5), obs=y)
+
+
+@pytest.mark.parametrize(("eager", "compiled", "option"), [
+    (SharpnessAwareELBO, JitSharpnessAwareELBO, "rho"), (KLBallELBO, JitKLBallELBO, "radius"),
+])
+def test_an_option_changed_after_the_capture_is_honoured(eager, compiled, option):
+    """The options are part of the capture's key (a graph bakes them in), and the eager SA-ELBO makes its transform
+    again: the step after ``elbo.rho = ...`` is the eager step at the new value, compiled or not."""
+    x = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64)
+    y = 2 * x
+    losses = []
+    for cls, options in ((eager, {}), (compiled, {"jit_options": {"backend": None}})):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        elbo = cls(0.1, **options)
+        svi = SVI(_regression, AutoNormal(_regression), pyro.optim.Adam({"lr": 0.01}), elbo)
+        for _ in range(3):
+            svi.step(x, y)
+        setattr(elbo, option, 2.0)
+        losses.append([svi.step(x, y) for _ in range(2)])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-10)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    unchanged = eager(0.1)
+    svi = SVI(_regression, AutoNormal(_regression), pyro.optim.Adam({"lr": 0.01}), unchanged)
+    reference = [svi.step(x, y) for _ in range(5)][3:]
+    assert losses[0] != pytest.approx(reference, rel=1e-6)  # the new value mattered
+
+
+def test_a_kernel_option_changed_after_the_capture_is_honoured():
+    x = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64)
+    runs = []
+    for jit in (False, True):
+        pyro.set_rng_seed(0)
+        kernel = EntropyMCMC(_regression, eta=0.5, step_size=1e-3, jit_compile=jit, jit_options={"backend": None})
+        kernel.setup(10, x, 2 * x)
+        params = kernel.initial_params
+        for _ in range(3):
+            params = kernel.sample(params)
+        kernel.eta = 0.05
+        for _ in range(2):
+            params = kernel.sample(params)
+        runs.append(params)
+    for name in runs[0]:
+        torch.testing.assert_close(runs[1][name], runs[0][name], rtol=1e-10, atol=1e-12)
+
+
 def test_parameter_statements_reach_the_handlers_with_their_values():
     """A compiled step makes the eager step's parameter statements (SVI collects its parameters there), with the
     constrained values; a handler that replaces a parameter's value is refused (the graph used the stored one)."""
@@ -403,11 +454,17 @@ def test_compile_failure_keeps_the_captured_graph(monkeypatch):
         return run
 
     monkeypatch.setattr(torch, "compile", broken)
+    step = lambda: w * 3 + torch.randn(2)  # noqa: E731 (a step that draws random numbers)
     for _ in range(2):
-        calls("key", lambda: w * 3, lambda: [w])
+        calls("key", step, lambda: [w])
+    torch.manual_seed(5)
+    expected, expected_next = step(), torch.rand(())
+    torch.manual_seed(5)
     with pytest.warns(CompilationFallbackWarning, match="is not compiled: torch.compile failed .*no compiler here"):
-        out = calls("key", lambda: w * 3, lambda: [w])
-    torch.testing.assert_close(out, w * 3)
+        out = calls("key", step, lambda: [w])
+    # the failed attempt's draws are not spent: the step has the eager numbers and the stream continues as after it
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(torch.rand(()), expected_next)
     assert not calls.captures()[0].compiling
 
 

@@ -31,7 +31,7 @@ from pyro.util import warn_if_nan
 from torch import Tensor
 from torch.distributions import kl_divergence
 
-from ..compiled import CompiledCalls, module_key, tensor_key
+from ..compiled import CompiledCalls, module_key, options_key, tensor_key
 from .kl_ball import KLBallELBO
 from .sharpness_aware import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 
@@ -72,7 +72,7 @@ class _Jit:
     def compiled_loss(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> Tensor:
         """The loss of one step (a differentiable scalar tensor), evaluated eagerly, captured or compiled."""
         tensors, arg_key = tensor_key((args, kwargs))
-        key = (id(model), id(guide), arg_key, module_key(model, guide), torch.is_grad_enabled())
+        key = (id(model), id(guide), arg_key, module_key(model, guide), options_key(self), torch.is_grad_enabled())
         self._programs.setdefault(key, (model, guide))  # holds them, so that their ids stay theirs
         mode = self._compiled.mode(key)
 

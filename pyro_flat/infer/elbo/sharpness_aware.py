@@ -62,16 +62,19 @@ class _SharpnessAware:
         self.rho = check_options(rho, adaptive, freeze_batchnorm, distributed)
         self.adaptive, self.freeze_batchnorm = adaptive, freeze_batchnorm
         self.distributed, self.process_group = distributed, process_group
-        self._transformed: tuple[Callable, SharpnessAwareModel] | None = None
+        self._transformed: tuple[tuple, SharpnessAwareModel] | None = None
         super().__init__(**kwargs)
 
     def _sharpness_aware(self, model: Callable) -> SharpnessAwareModel:
-        if self._transformed is None or self._transformed[0] is not model:
+        """The transformed model, made again when the model or an option changed since the last step."""
+        key = (model, self.rho, self.adaptive, self.freeze_batchnorm, self.distributed, self.process_group)
+        if self._transformed is None or key[0] is not self._transformed[0][0] or key[1:] != self._transformed[0][1:]:
+            check_options(self.rho, self.adaptive, self.freeze_batchnorm, self.distributed)
             sa_model = SharpnessAwareModel(
                 model, self.rho, adaptive=self.adaptive, freeze_batchnorm=self.freeze_batchnorm,
                 distributed=self.distributed, process_group=self.process_group,
             )
-            self._transformed = (model, sa_model)
+            self._transformed = (key, sa_model)
         return self._transformed[1]
 
     def _get_traces(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> Iterator[tuple[Trace, Trace]]:

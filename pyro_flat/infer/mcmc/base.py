@@ -61,7 +61,7 @@ from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
 from ..._validation import check_int
-from ..compiled import CompiledCalls, module_key, tensor_key
+from ..compiled import CompiledCalls, module_key, options_key, tensor_key
 from ..util import at_latent_values, is_latent_site
 from .schedules import StepSizeSchedule, as_schedule
 
@@ -454,7 +454,8 @@ class StochasticGradientKernel(MCMCKernel):
             return self._gradient(params)
         names = list(params)
         tensors, data_key = self._data
-        key = (tuple((n, params[n].shape, params[n].dtype, params[n].device) for n in names), data_key)
+        key = (tuple((n, params[n].shape, params[n].dtype, params[n].device) for n in names), data_key,
+               options_key(self))
         with torch.no_grad():
             return self._compiled(key, lambda: self._gradient(params), lambda: [params[n] for n in names] + tensors)
 
