@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import __version__
 from .config import LATENT_CHOICES, PRESETS, RunConfig
-from .registry import METHODS, MODELS, dataset_names
+from .registry import METHODS, MODELS, check_method_options, dataset_names
 
 RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
     "model": "model", "epochs": "num_epochs", "batch_size": "batch_size", "lr": "lr", "prior_scale": "prior_scale",
@@ -168,9 +168,11 @@ def config_changes(args: argparse.Namespace) -> dict[str, object]:
 def method_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, dict[str, object]]:
     options: dict[str, dict[str, object]] = {}
     for method, key, value in args.options:
-        if method not in METHODS:
-            parser.error(f"--set names unknown method {method!r}; known methods: {', '.join(METHODS)}")
         options.setdefault(method, {})[key] = value
+    try:
+        check_method_options(options)
+    except ValueError as err:
+        parser.error(f"--set: {err}")
     return options
 
 
@@ -242,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print("methods:")
         for spec in METHODS.values():
-            base = f"  (flat counterpart of {spec.baseline})" if spec.baseline else ""
+            base = f"  (compared with {spec.baseline})" if spec.baseline else ""
             print(f"  {spec.name:<16} {spec.description}{base}")
         print("datasets:", ", ".join(dataset_names()))
         print("models:  ", ", ".join(sorted(MODELS)))

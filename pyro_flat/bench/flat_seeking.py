@@ -47,13 +47,13 @@ def sharpness_aware_loss(problem: Problem, method: str) -> SharpnessAwareELBO:
 
 
 @register_method("f_vi", description="F-VI (F-BBB): AutoNormal + SharpnessAwareELBO", baseline="vi",
-                 reference=REFERENCE)
+                 reference=REFERENCE, options=("rho", "adaptive"))
 def fit_f_vi(problem: Problem) -> Posterior:
     return fit_mean_field(problem, problem.build_model(), sharpness_aware_loss(problem, "f_vi"))
 
 
 @register_method("sam", description="SAM (flat MAP): AutoDelta + SharpnessAwareELBO", baseline="map",
-                 reference=REFERENCE)
+                 reference=REFERENCE, options=("rho", "adaptive"))
 def fit_sam(problem: Problem) -> Posterior:
     model = problem.build_model()
     fit = fit_map_point(problem, model, sharpness_aware_loss(problem, "sam"))
@@ -61,7 +61,7 @@ def fit_sam(problem: Problem) -> Posterior:
 
 
 @register_method("f_mc_dropout", description="F-MC-Dropout: dropout MAP trained with SAM (same mask in both passes)",
-                 baseline="mc_dropout", reference=REFERENCE)
+                 baseline="mc_dropout", reference=REFERENCE, options=("rho", "adaptive"))
 def fit_f_mc_dropout(problem: Problem) -> Posterior:
     model = problem.build_model(dropout=problem.config.dropout)
     fit = fit_map_point(problem, model, sharpness_aware_loss(problem, "f_mc_dropout"))
@@ -75,7 +75,7 @@ def fit_f_mc_dropout(problem: Problem) -> Posterior:
 
 
 @register_method("f_ensemble", description="F-Deep-Ensemble: MAP members each trained with SAM",
-                 baseline="ensemble", reference=REFERENCE)
+                 baseline="ensemble", reference=REFERENCE, options=("rho", "adaptive"))
 def fit_f_ensemble(problem: Problem) -> Posterior:
     model, points = fit_ensemble_points(problem, lambda: sharpness_aware_loss(problem, "f_ensemble"))
     return Posterior.from_points(model, points)

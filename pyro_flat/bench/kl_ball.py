@@ -89,6 +89,7 @@ def _frozen_sampler(problem: Problem, method: str, model: nn.Module) -> SWAGFroz
 @register_method(
     "vi_low_rank",
     description="VI with the low-rank-plus-diagonal guide (AutoLowRankPlusDiagonalNormal + Trace_ELBO)",
+    options=("rank", "backbone_swag", "backbone_scale"),
 )
 def fit_vi_low_rank(problem: Problem) -> Posterior:
     return _low_rank_fit(problem, "vi_low_rank", None)
@@ -99,6 +100,7 @@ def fit_vi_low_rank(problem: Problem) -> Posterior:
     description="SA-BMA: KLBallELBO (Fisher direction) + low-rank-plus-diagonal guide",
     baseline="vi_low_rank",
     reference=REFERENCE,
+    options=("rank", "radius", "kl_weight", "backbone_swag", "backbone_scale"),
 )
 def fit_sa_bma(problem: Problem) -> Posterior:
     return _low_rank_fit(problem, "sa_bma", _kl_ball(problem))
@@ -109,6 +111,7 @@ def fit_sa_bma(problem: Problem) -> Posterior:
     description="SA-BMA, authors' code variant: KLBallELBO (normalised score) + low-rank-plus-diagonal guide",
     baseline="vi_low_rank",
     reference=REFERENCE,
+    options=("rank", "radius", "kl_weight", "backbone_swag", "backbone_scale"),
 )
 def fit_sa_bma_score(problem: Problem) -> Posterior:
     return _low_rank_fit(problem, "sa_bma_score", _kl_ball(problem), direction="normalized_score")
@@ -119,6 +122,7 @@ def fit_sa_bma_score(problem: Problem) -> Posterior:
     description="KLBallELBO (Fisher direction) + mean-field AutoNormal guide",
     baseline="vi",
     reference=REFERENCE,
+    options=("radius", "kl_weight"),
 )
 def fit_sa_bma_diag(problem: Problem) -> Posterior:
     model = problem.build_model()

@@ -22,7 +22,7 @@ from ..infer.predict import guide_draws, sample_draws
 from ..nn import BayesianClassifier
 from .config import RunConfig
 from .loop import LoaderStream, RunContext, TensorStream, TrainingLoop, stream_seed
-from .registry import MODELS, lookup
+from .registry import METHODS, MODELS, lookup
 
 
 def world() -> tuple[int, int]:
@@ -140,7 +140,10 @@ class Problem:
         return model
 
     def option(self, method: str, name: str, default: Any) -> Any:
-        """A per-method hyperparameter from ``config.options[method][name]``, else ``default``."""
+        """A per-method hyperparameter from ``config.options[method][name]``, else ``default``; ``name`` must be one of
+        the method's declared options (``register_method(..., options=...)``)."""
+        if name not in METHODS[method].options:
+            raise KeyError(f"method {method!r} reads option {name!r}, which its registration does not declare")
         return self.config.options.get(method, {}).get(name, default)
 
     def optim_spec(self, num_steps: int | None = None, *, mean_loss: bool = False) -> OptimSpec:

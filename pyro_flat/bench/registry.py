@@ -7,7 +7,7 @@ it trains on ``problem.data`` with the hyperparameters of ``problem.config`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,8 @@ class MethodSpec:
     :param description: one line for ``--list`` and the report.
     :param baseline: the name of the non-flat method this one is compared with (``None`` for baselines).
     :param reference: the paper the method comes from.
+    :param options: the per-method hyperparameters ``fit`` reads with :meth:`~pyro_flat.bench.problem.Problem.option`
+        (``--set NAME.KEY=VALUE``); any other key is refused before a run starts.
     """
 
     name: str
@@ -46,6 +48,7 @@ class MethodSpec:
     description: str
     baseline: str | None = None
     reference: str = ""
+    options: tuple[str, ...] = ()
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -77,17 +80,32 @@ def load_data(name: str, config: RunConfig) -> ClassificationData:
 
 
 def register_method(
-    name: str, *, description: str, baseline: str | None = None, reference: str = ""
+    name: str, *, description: str, baseline: str | None = None, reference: str = "", options: tuple[str, ...] = ()
 ) -> Callable[[Callable], Callable]:
-    """Decorator registering ``fit(problem) -> Posterior`` under ``name``."""
+    """Decorator registering ``fit(problem) -> Posterior`` under ``name``, with the option keys it reads."""
 
     def decorator(fit: Callable) -> Callable:
         if name in METHODS:
             raise ValueError(f"method {name!r} is already registered")
-        METHODS[name] = MethodSpec(name, fit, description, baseline, reference)
+        METHODS[name] = MethodSpec(name, fit, description, baseline, reference, tuple(options))
         return fit
 
     return decorator
+
+
+def check_method_options(options: Mapping[str, Mapping[str, object]]) -> None:
+    """Refuse per-method options for an unknown method or with a key the method does not read (a typo would
+    otherwise run the default silently).
+
+    :raises ValueError: naming the method, the key and the method's options.
+    """
+    for method, values in options.items():
+        if method not in METHODS:
+            raise ValueError(f"options given for unknown method {method!r}; known methods: {', '.join(METHODS)}")
+        unknown = sorted(set(values) - set(METHODS[method].options))
+        if unknown:
+            known = ", ".join(METHODS[method].options) or "none"
+            raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: {known}")
 
 
 def build_mlp(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianMLP:

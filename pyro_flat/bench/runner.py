@@ -21,7 +21,7 @@ from . import methods as _methods  # noqa: F401  (registers every method)
 from .config import RunConfig
 from .loop import RunContext, atomic_save, metrics_log_writer
 from .problem import Posterior, Problem, to_device, world
-from .registry import METHODS, dataset_names, load_data, lookup
+from .registry import METHODS, check_method_options, dataset_names, load_data, lookup
 
 
 @dataclass
@@ -145,6 +145,7 @@ def run_benchmark(
             raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(names)}")
     for name in methods:
         lookup(METHODS, "method", name)
+    check_method_options(config.options)
     if not seeds:
         raise ValueError("`seeds` is empty")
     writer = world()[0] == 0

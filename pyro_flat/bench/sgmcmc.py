@@ -155,6 +155,7 @@ def _constant_sgld(problem: Problem, method: str, rho: float | None) -> Posterio
     "sgld",
     description="SGLD (Welling & Teh 2011) through pyro.infer.MCMC, constant step, cold posterior",
     reference="Welling & Teh, Bayesian Learning via Stochastic Gradient Langevin Dynamics (ICML 2011)",
+    options=("lr", "temperature", "burn_in"),
 )
 def fit_sgld(problem: Problem) -> Posterior:
     return _constant_sgld(problem, "sgld", None)
@@ -165,6 +166,7 @@ def fit_sgld(problem: Problem) -> Posterior:
     description="F-SGLD: SGLD on sharpness_aware(model, rho) (rho 0.05), same schedule as sgld",
     baseline="sgld",
     reference="Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023), arXiv:2302.02713",
+    options=("rho", "lr", "temperature", "burn_in"),
 )
 def fit_f_sgld(problem: Problem) -> Posterior:
     return _constant_sgld(problem, "f_sgld", float(problem.option("f_sgld", "rho", 0.05)))
@@ -176,6 +178,7 @@ def fit_f_sgld(problem: Problem) -> Posterior:
     baseline="sgld",
     reference="Zhang et al., Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning (ICLR 2020), "
     "arXiv:1902.03932",
+    options=("lr", "cycles", "exploration", "temperature"),
 )
 def fit_csgld(problem: Problem) -> Posterior:
     model = problem.build_model()
@@ -201,6 +204,7 @@ def fit_csgld(problem: Problem) -> Posterior:
     description="Entropy-MCMC: SGLD on local_entropy(model, eta), theta and theta_a drawn (same schedule as sgld)",
     baseline="sgld",
     reference=REFERENCE_EMCMC,
+    options=("lr", "eta", "temperature", "collect", "anchor_prior_scale", "cycles", "exploration", "burn_in"),
 )
 def fit_emcmc(problem: Problem) -> Posterior:
     model = problem.build_model()

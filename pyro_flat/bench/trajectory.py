@@ -195,14 +195,19 @@ def _swag_posterior(problem: Problem, method: str, model: BayesianClassifier, co
 
 
 @register_method("sam_torch", description="SAM(Adam) MAP: pyro_flat.optim.SAM on AutoDelta, rho 0.05",
-                 baseline="map", reference="Foret et al., SAM (ICLR 2021), arXiv:2010.01412")
+                 baseline="map", reference="Foret et al., SAM (ICLR 2021), arXiv:2010.01412",
+                 options=("rho", "m_sharpness", "swa_start", "max_rank"))
 def fit_sam_torch(problem: Problem) -> Posterior:
     model, guide, _, history = _sam_trajectory(problem, "sam_torch")
     return Posterior.from_points(model, [guide.median()], info={"losses": history})
 
 
 def _register_swag(name: str, kind: str, source: str, baseline: str, description: str) -> None:
-    @register_method(name, description=description, baseline=baseline, reference=_FBNN if source == "sam" else _SWAG)
+    options = ("swa_start", "max_rank", "save_swag") + (("scale",) if kind != "swa" else ()) + (
+        ("rho", "m_sharpness") if source == "sam" else ())
+
+    @register_method(name, description=description, baseline=baseline, reference=_FBNN if source == "sam" else _SWAG,
+                     options=options)
     def fit(problem: Problem) -> Posterior:
         if source == "sam":
             model, _, collector, history = _sam_trajectory(problem, name)
@@ -225,7 +230,8 @@ _register_swag("f_swag_diag", "swag_diag", "sam", "swag_diag", "F-SWAG-Diagonal 
 
 
 @register_method("bsam", description="Bayesian SAM: pyro_flat.optim.BayesianSAM, BMA over N(m, 1/(N s))",
-                 baseline="map", reference=_BSAM)
+                 baseline="map", reference=_BSAM,
+                 options=("lr", "rho", "prior_precision", "damping", "beta2", "init_scale", "dafactor", "m_sharpness"))
 def fit_bsam(problem: Problem) -> Posterior:
     model = problem.build_model()
     guide = _delta_guide(problem, model)
@@ -284,7 +290,8 @@ def _hwa_trajectory(problem: Problem, method: str) -> tuple[BayesianClassifier, 
 
 
 def _register_hwa(name: str, rule: str, description: str) -> None:
-    @register_method(name, description=description, baseline="vi", reference=_HWA)
+    @register_method(name, description=description, baseline="vi", reference=_HWA,
+                     options=("swa_start", "lr_low_ratio", "max_rank"))
     def fit(problem: Problem) -> Posterior:
         model, _, hwa, history = _hwa_trajectory(problem, name)
         guide = hwa.averaged_guide(model, variance=rule)
@@ -299,7 +306,7 @@ _register_hwa("hwa_scales", "scales", "HWA averaging both AutoNormal means and s
 
 
 @register_method("vi_cyclical", description="last iterate of HWA's cyclical-rate SVI trajectory (no averaging)",
-                 baseline="vi", reference=_HWA)
+                 baseline="vi", reference=_HWA, options=("swa_start", "lr_low_ratio", "max_rank"))
 def fit_vi_cyclical(problem: Problem) -> Posterior:
     model, guide, _, history = _hwa_trajectory(problem, "vi_cyclical")
     return Posterior.from_guide(model, guide, problem.config.num_bma_samples, info={"losses": history})
