@@ -51,7 +51,7 @@ from pyro.infer import ELBO
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_reduce_mean", "check_distributed", "check_same_random_state", "ddp_elbo"]
+__all__ = ["all_reduce_mean", "check_distributed", "check_same_random_state", "ddp_elbo", "shard_size"]
 
 
 def check_distributed(owner: str) -> None:
@@ -129,3 +129,14 @@ def check_same_random_state(device: torch.device | str = "cpu", group: object | 
             "the ranks' random states differ: seed every rank with the same seed (pyro.set_rng_seed(seed) on all "
             "ranks) before building the guide, so that the guide draws the same latent values everywhere"
         )
+
+
+def shard_size(batch_size: int, world_size: int) -> int:
+    """Each rank's share of a global minibatch of ``batch_size`` examples split over ``world_size`` ranks.
+
+    :raises ValueError: if ``world_size`` does not divide ``batch_size`` (the ranks' shards must be equal for their
+        averaged gradient to be the gradient of the whole batch).
+    """
+    if batch_size % world_size:
+        raise ValueError(f"the batch size {batch_size} must be divisible by the number of processes {world_size}")
+    return batch_size // world_size

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import pyro
 import pyro.optim
@@ -42,7 +42,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..data import ClassificationData
-from ..data.images import VisionData, _seed
+from ..data.images import VisionData, combined_seed
+from ..distributed import shard_size
 
 if TYPE_CHECKING:
     from .problem import Problem
@@ -66,33 +67,30 @@ Batch = tuple[tuple[Tensor, ...], dict[str, Any]]
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def atomic_save(obj: object, path: Path) -> None:
-    """``torch.save(obj)`` to ``path`` atomically: to a temporary file in the same folder, flushed to disk, then
-    ``os.replace`` d over ``path`` — a kill during the save leaves the previous file intact."""
+def _atomic_write(path: Path, write: Callable[[IO], object], mode: str) -> None:
+    """``write(handle)`` to a temporary file in ``path``'s folder, flushed to disk, then ``os.replace`` d over
+    ``path``: a kill during the write leaves the previous file intact."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as handle:
-            torch.save(obj, handle)
+        with open(tmp, mode) as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_save(obj: object, path: Path) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (see :func:`atomic_write_text`)."""
+    _atomic_write(path, lambda handle: torch.save(obj, handle), "wb")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, then ``os.replace``)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ``text`` to ``path`` atomically: to a temporary file in the same folder, flushed to disk, then
+    ``os.replace`` d over ``path`` — a kill during the write leaves the previous file intact."""
+    _atomic_write(path, lambda handle: handle.write(text), "w")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -117,17 +115,14 @@ class TensorStream:
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.batch_size % self.world_size:
-            raise ValueError(
-                f"the batch size {self.batch_size} must be divisible by the number of processes {self.world_size}"
-            )
+        self._shard = shard_size(self.batch_size, self.world_size)
 
     def __next__(self) -> Batch:
         data = self.data
         if not self.explicit:
             return (data.x_train, data.y_train), {"subsample_size": self.batch_size}
         idx = torch.randperm(data.num_data, device=data.device)[: self.batch_size]
-        shard = self.batch_size // self.world_size
+        shard = self._shard
         idx = idx[self.rank * shard : (self.rank + 1) * shard]
         return (data.x_train[idx], data.y_train[idx]), {"num_data": data.num_data}
 
@@ -574,7 +569,7 @@ class TrainingLoop:
 
 def stream_seed(seed: int, phase: int) -> int:
     """The seed of a loader stream for phase ``phase`` of a job with seed ``seed`` (independent across phases)."""
-    return _seed(seed, phase, 0x5EED)
+    return combined_seed(seed, phase, 0x5EED)
 
 
 def metrics_log_writer(path: Path) -> Callable[[dict], None]:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..distributed import shard_size
 from .datasets import ClassificationData
 from .real import feature_shuffled
 from .vision import load_vision_dataset
@@ -43,31 +44,41 @@ FLIPS = {"cifar10": True, "cifar100": True, "svhn": False, "mnist": False, "fash
 """Whether the standard augmentation of a dataset flips images horizontally (never for digits)."""
 
 
-def _seed(*entropy: int) -> int:
+def combined_seed(*entropy: int) -> int:
     """A 63-bit seed mixing ``entropy`` (numpy's ``SeedSequence``: nearby inputs give unrelated seeds)."""
     return int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
-def augment(images: Tensor, generator: torch.Generator, *, pad: int = 4, flip: bool = True) -> Tensor:
+def augment(
+    images: Tensor, generator: torch.Generator, *, pad: int = 4, flip: bool = True, batch_size: int | None = None,
+    offset: int = 0,
+) -> Tensor:
     """The standard augmentation of a batch: zero padding by ``pad`` pixels, a random crop of the original size (offsets
     uniform in ``[0, 2 pad]``), a horizontal flip with probability 1/2 if ``flip``.
 
-    :param images: ``[B, C, H, W]`` images (any dtype; ``uint8`` in the loaders).
+    :param images: ``[b, C, H, W]`` images (any dtype; ``uint8`` in the loaders): the whole batch, or rows
+        ``[offset, offset + b)`` of a batch of ``batch_size`` (a data-parallel rank's shard, augmented as within the
+        whole batch).
     :param generator: the CPU generator of the offsets and flips (drawn for the whole batch at once, in the order
         rows, columns, flips).
+    :param batch_size: the size of the whole batch (default ``b``).
+    :param offset: the first row of ``images`` in the whole batch.
     :returns: a new tensor of the same shape and dtype.
     """
     if images.dim() != 4:
         raise ValueError(f"augment: expected images [B, C, H, W], got shape {tuple(images.shape)}")
     b, _, h, w = images.shape
+    total = b if batch_size is None else batch_size
+    if not 0 <= offset <= total - b:
+        raise ValueError(f"augment: rows [{offset}, {offset + b}) are not inside a batch of {total}")
+    top = torch.randint(0, 2 * pad + 1, (total,), generator=generator)[offset : offset + b]
+    left = torch.randint(0, 2 * pad + 1, (total,), generator=generator)[offset : offset + b]
+    flips = (torch.rand(total, generator=generator) < 0.5)[offset : offset + b] if flip else None
     padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
-    top = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
-    left = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
-    rows = (top[:, None] + torch.arange(h))[:, None, :, None]  # [B, 1, H, 1]
-    cols = (left[:, None] + torch.arange(w))[:, None, None, :]  # [B, 1, 1, W]
+    rows = (top[:, None] + torch.arange(h))[:, None, :, None]  # [b, 1, H, 1]
+    cols = (left[:, None] + torch.arange(w))[:, None, None, :]  # [b, 1, 1, W]
     out = padded[torch.arange(b)[:, None, None, None], torch.arange(images.shape[1])[None, :, None, None], rows, cols]
-    if flip:
-        flips = torch.rand(b, generator=generator) < 0.5
+    if flips is not None:
         out = torch.where(flips[:, None, None, None], out.flip(-1), out)
     return out
 
@@ -101,10 +112,10 @@ class ImageBatches(Dataset):
 
     def __getitem__(self, key: tuple[Tensor, int | None, int, int]) -> tuple[Tensor, Tensor]:
         indices, seed, start, stop = key
-        images = self.images[indices]
+        images = self.images[indices[start:stop]]  # this rank's shard, augmented as within the whole batch
         if seed is not None:
-            images = augment(images, torch.Generator().manual_seed(seed), flip=self.flip)
-        images = images[start:stop]
+            images = augment(images, torch.Generator().manual_seed(seed), flip=self.flip, batch_size=len(indices),
+                             offset=start)
         return images.to(torch.float32) * self.scale - self.shift, self.targets[indices[start:stop]]
 
 
@@ -137,24 +148,20 @@ class EpochBatches(Sampler):
     _shard: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.batch_size % self.world_size:
-            raise ValueError(
-                f"the batch size {self.batch_size} must be divisible by the number of processes {self.world_size}"
-            )
+        self._shard = shard_size(self.batch_size, self.world_size)
         if self.batch_size > self.num_data:
             raise ValueError(f"the batch size {self.batch_size} exceeds the number of examples {self.num_data}")
-        self._shard = self.batch_size // self.world_size
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_data, self.batch_size)
         return full + (rest > 0 and not self.drop_last and self.world_size == 1)
 
     def __iter__(self) -> Iterator[tuple[Tensor, int | None, int, int]]:
-        generator = torch.Generator().manual_seed(_seed(self.seed, self.epoch))
+        generator = torch.Generator().manual_seed(combined_seed(self.seed, self.epoch))
         order = torch.randperm(self.num_data, generator=generator)
         for batch in range(self.start, len(self)):
             indices = order[batch * self.batch_size : (batch + 1) * self.batch_size]
-            seed = _seed(self.seed, self.epoch, batch) if self.augment else None
+            seed = combined_seed(self.seed, self.epoch, batch) if self.augment else None
             shard = len(indices) if self.world_size == 1 else self._shard
             yield indices, seed, self.rank * shard, (self.rank + 1) * shard
 

@@ -44,6 +44,16 @@ def test_augment_is_torchvisions_crop_and_flip():
                        out[flips].flip(-1))
 
 
+def test_a_shard_is_augmented_as_within_the_whole_batch():
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    whole = augment(images, torch.Generator().manual_seed(7))
+    for start in (0, 4):  # two ranks' shards of a batch of 8
+        shard = augment(images[start : start + 4], torch.Generator().manual_seed(7), batch_size=8, offset=start)
+        assert torch.equal(shard, whole[start : start + 4])
+    with pytest.raises(ValueError, match=r"rows \[6, 10\) are not inside a batch of 8"):
+        augment(images[:4], torch.Generator().manual_seed(7), batch_size=8, offset=6)
+
+
 def test_augment_offsets_and_flips_are_uniform():
     # 9000 single-pixel images padded by 1: the pixel stays inside the 1x1 crop for 1 of the 9 offsets (count
     # 1000, sd 30); a marked column reveals the flips (p = 1/2, sd 47); bounds at 5 sd
