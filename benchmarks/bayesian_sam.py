@@ -3,7 +3,7 @@
 Everything is timed side by side in one run: each repeat times every variant once (``--steps`` steps each) in turn,
 so that the noise of the shared machine hits all variants alike; the table reports the median over repeats.
 
-Two settings, both an MLP 64-256-256-10 on digits with minibatches of 128 (the DESIGN.md reference network):
+Two settings, both an MLP 64-256-256-10 on digits with minibatches of 128 (the step-time benchmarks' network):
 
 * **torch network** — the optimizers on a plain ``nn.Sequential`` with a cross-entropy closure, next to
   hand-written plain-torch loops doing the same arithmetic (the reference for the optimizer's own overhead).

@@ -1,11 +1,11 @@
 """The bSAM two-moons demo (``demo2d.py`` of github.com/team-approx-bayes/bayesian-sam) with pyro_flat's BayesianSAM.
 
-Setup as the authors' demo (ALGORITHMS.md §7 row 1): two moons, N = 100, noise 0.1, seed 1; an MLP with four hidden
-layers of 32 ELU units (biases initialised to 0.05) and one logit; batch 30 (the irregular last batch of 10 is
-skipped, as in the demo); lr 0.5 with a cosine decay per epoch over 250 epochs; beta1 0.9, beta2 0.999, rho 0.05,
-damping 0.1, weight decay delta = 1e-4 (prior precision delta N = 0.01), m-sharpness 5 (five sub-batches of 6);
-float64. Then 20 samples theta ~ N(m, 1/(N s)) and their 0.5 contours. The comparison is the same network trained
-with SGD (momentum 0.9, lr 0.05, weight decay 1e-4, same batches and epochs): one boundary.
+Setup as the authors' demo: two moons, N = 100, noise 0.1, seed 1; an MLP with four hidden layers of 32 ELU units
+(biases initialised to 0.05) and one logit; batch 30 (the irregular last batch of 10 is skipped, as in the demo); lr 0.5
+with a cosine decay per epoch over 250 epochs; beta1 0.9, beta2 0.999, rho 0.05, damping 0.1, weight decay delta = 1e-4
+(prior precision delta N = 0.01), m-sharpness 5 (five sub-batches of 6); float64. Then 20 samples theta ~ N(m, 1/(N s))
+and their 0.5 contours. The comparison is the same network trained with SGD (momentum 0.9, lr 0.05, weight decay 1e-4,
+same batches and epochs): one boundary.
 
 Numbers reported (so that the picture is backed by a measurement): for grid points near the data (within 0.3 of a
 training point) and far from it (more than 1.0 away), the fraction of bSAM samples that disagree with the majority

@@ -1,7 +1,7 @@
 """Entropy-MCMC's logistic-regression claim (MNIST 1 vs 7 in the paper), on sklearn's digits 1 vs 7: test accuracy
 against gradient evaluations and against wall time for SGD, SGLD, Entropy-SGD, Entropy-SGLD and Entropy-MCMC.
 
-Setup, after the authors' ``exp/mnist_logistic_reg_emcmc.py`` (ALGORITHMS.md section 4b) where it fits: a linear
+Setup, after the authors' ``exp/mnist_logistic_reg_emcmc.py`` (github.com/lblaoke/EMCMC) where it fits: a linear
 sigmoid classifier without bias, float64, batch 64 drawn inside the model's ``pyro.plate``, mean-loss learning rate
 0.03 (step size 0.03 / N on Pyro's full-data scale), weight decay 1e-5 as a Gaussian prior of precision N * 1e-5 on
 the weights, temperature 1, eta = 1, Entropy-SGD/SGLD with L = 20 inner steps (outer step eta, i.e. x <- mu for

@@ -4,7 +4,7 @@ Thin adapters of :mod:`pyro_flat.ops.hessian` onto ``torch.nn.Module`` networks 
 function of the parameters with :func:`network_loss_fn` (a list of tensors) or :func:`model_loss_fn` (a dict
 ``{site name: value}``), then call :func:`hessian_eigenvalues`, :func:`hessian_trace` or :func:`sam_sharpness`.
 
-The flatness of a point depends on a triple that must be fixed, and reported, to compare methods (TESTING §8):
+The flatness of a point depends on a triple that must be fixed, and reported, to compare methods:
 
 * **the loss**: here the *mean* training loss over a fixed data set, without the prior or weight decay (which would
   add :math:`\lambda_{wd}I` to the Hessian);

@@ -1,7 +1,7 @@
 """Recording of the conformance outcomes: every conformance test marks the (method, case) it checks and, when it
 checks a refusal, that the refusal was clear. With ``PYRO_FLAT_CONFORMANCE_OUT=<file>`` set, the session writes
-``[{method, case, check, outcome}]`` there (outcome: ``pass``, ``refused`` or ``fail``); ``scripts/conformance.py``
-renders it as the "what works with what" table."""
+``[{method, case, check, outcome}]`` there (outcome: ``pass``, ``refused`` or ``fail``);
+``scripts/conformance_table.py`` renders it as the "what works with what" table."""
 
 from __future__ import annotations
 

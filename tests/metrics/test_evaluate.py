@@ -72,7 +72,7 @@ def test_report_values_are_the_metric_functions(problem):
 
 
 def test_bma_first_metric_second():
-    """TESTING §7: S = 8, N = 5000, C = 10, logits 2·N(0,1), random labels.
+    """S = 8, N = 5000, C = 10, logits 2·N(0,1), random labels.
 
     Reference values NLL(BMA) = 2.49 vs mean member NLL 3.76 and ECE(BMA) = 0.113 vs 0.430; the Monte-Carlo standard
     error of the NLLs at N = 5000 is about 0.01 (population values 2.506 and 3.771), so ±0.05 is a 5σ band.

@@ -73,7 +73,7 @@ def test_running_mean():
 
 @pytest.mark.statistical
 def test_ula_on_a_gaussian_has_the_exact_discretised_law():
-    # TESTING.md section 2: mu = 1.5, sigma^2 = 2, eps = 0.2, 256 chains, 500 warm-up, 4000 kept draws. The stationary
+    # mu = 1.5, sigma^2 = 2, eps = 0.2, 256 chains, 500 warm-up, 4000 kept draws. The stationary
     # law of theta' = theta - eps (theta - mu)/sigma^2 + sqrt(2 eps) xi is N(mu, sigma^2 / (1 - eps / (2 sigma^2))).
     # Tolerance: z < 4.5 on the mean and the variance with se from the ESS (pyro.ops.stats), seed 0.
     torch.manual_seed(0)

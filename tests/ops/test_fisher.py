@@ -78,7 +78,7 @@ def test_kl_ball_step_has_fisher_norm_radius_and_zero_gradient_is_finite():
 
 
 def test_fixed_isotropic_scale_gives_sam_step():
-    # TESTING.md §2: delta* = sqrt(2 rho) s^2 g / ||s g||; isotropic s: SAM's step with radius s sqrt(2 rho)
+    # closed form: delta* = sqrt(2 rho) s^2 g / ||s g||; isotropic s: SAM's step with radius s sqrt(2 rho)
     g = torch.randn(5, dtype=torch.float64)
     for scale in (torch.full((5,), 0.3, dtype=torch.float64), torch.rand(5, dtype=torch.float64) + 0.1):
         direction, _ = diagonal_gaussian_inverse_fisher_product(g, None, scale, torch.ones_like(scale))

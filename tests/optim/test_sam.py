@@ -33,7 +33,7 @@ def _closure(a, params):
 
 
 def test_one_step_is_the_documented_formula():
-    # TESTING.md §2 item 4: theta' = theta - lr A (theta + rho A theta / ||A theta||)
+    # SAM's step in closed form: theta' = theta - lr A (theta + rho A theta / ||A theta||)
     a, theta, params = _quadratic()
     lr, rho = 0.1, 0.3
     opt = SAM(params, torch.optim.SGD, rho=rho, lr=lr)

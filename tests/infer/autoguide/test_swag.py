@@ -1,5 +1,6 @@
 """SWAGCollector and AutoSWAG: moments equal the empirical moments of the iterates, the sampler's covariance
-(TESTING.md §2 coverage test), Pyro integration (Predictive, BMA, MCMC hook, ordering), state round trips."""
+(the chi-square coverage test of wjmaddox/swa_gaussian), Pyro integration (Predictive, BMA, MCMC hook, ordering),
+state round trips."""
 
 import copy
 import io
@@ -88,7 +89,7 @@ def test_guide_covariance_is_diag_plus_low_rank_of_the_iterates():
 @pytest.mark.statistical
 @pytest.mark.parametrize("diagonal_only", [False, True])
 def test_sampling_coverage_chi2(diagonal_only):
-    # TESTING.md §2: 101 SGD iterates of Linear(300, 3), K = 100; for each scale about 95 % of 2000 draws have
+    # 101 SGD iterates of Linear(300, 3), K = 100; for each scale about 95 % of 2000 draws have
     # (x-mu)ᵀ(scale Sigma)⁻¹(x-mu) below the 95 % chi²_P quantile. Band: ±4.5 binomial s.d. (±44 of 1900), so a
     # spurious failure has probability ~1e-5 per scale. Seed 0 (the conftest's).
     collector = SWAGCollector(max_rank=100)

@@ -1,4 +1,4 @@
-"""KLBallELBO: the Trace_ELBO limit, the closed-form steps of TESTING.md §2, the KL ball, replayed noise and
+"""KLBallELBO: the Trace_ELBO limit, the closed-form steps, the KL ball, replayed noise and
 minibatches, the three entry points, Predictive afterwards, and errors."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _noise(guide, seed):
 
 @pytest.mark.parametrize("non_isotropic", [False, True])
 def test_mean_only_step_is_the_closed_form_and_sams_normalised_gradient(non_isotropic):
-    # TESTING.md §2 item 2: delta* = sqrt(2 rho) s^2 g / ||s g||, g = d/dm of the NLL at the draw = m + s eps - x
+    # closed form: delta* = sqrt(2 rho) s^2 g / ||s g||, g = d/dm of the NLL at the draw = m + s eps - x
     radius, s = 0.02, 0.3
     guide = _frozen_scale_guide(s)
     if non_isotropic:
@@ -131,7 +131,7 @@ def test_mean_only_step_is_the_closed_form_and_sams_normalised_gradient(non_isot
 
 
 def test_loc_gradient_perturbs_only_the_data_term():
-    # TESTING.md §2 item 3 for one draw: the loc gradient is (m + delta + s eps - x) + (m + s eps),
+    # closed form for one draw: the loc gradient is (m + delta + s eps - x) + (m + s eps),
     # the data term at the perturbed mean and the prior/entropy term at the unperturbed one
     radius = 0.05
     guide = _frozen_scale_guide(0.4)
@@ -225,7 +225,8 @@ def test_both_passes_use_the_same_noise_and_the_same_minibatch(guide_class):
 
 
 def test_minibatch_is_replayed_even_if_the_random_stream_differs():
-    # the explicit replay of the subsample site (DESIGN.md trap), independent of the random-number replay
+    # the explicit replay of the subsample site (a second pass must score the first pass's minibatch), independent of
+    # the random-number replay
     record = []
     guide = AutoNormal(normal_model)
     guide(X, subsample_size=2)

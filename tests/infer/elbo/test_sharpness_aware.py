@@ -60,7 +60,7 @@ def mlp_setup(dropout=0.2):
 
 
 def test_gaussian_closed_form_gradient():
-    # TESTING §4 model: z_i ~ N(0,1), x_i ~ N(z_i,1), guide z = loc + scale * e. With the SAM step
+    # model: z_i ~ N(0,1), x_i ~ N(z_i,1), guide z = loc + scale * e. With the SAM step
     # eps = rho * g/|g|, g = z - x (gradient of the NLL 1/2 sum (x-z)^2), and the likelihood at z + eps:
     #   d(-ELBO)/dloc_i   = (z_i + eps_i - x_i) + z_i
     #   d(-ELBO)/dscale_i = (2 z_i + eps_i - x_i) e_i - 1/scale_i
@@ -125,7 +125,7 @@ THETA0 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_sam_step_on_quadratic(adaptive):
-    # TESTING §2 item 4: one SAM step on L = 1/2 theta^T A theta with lr eta and radius rho is
+    # one SAM step on L = 1/2 theta^T A theta with lr eta and radius rho is
     #   theta - eta * A (theta + eps),  eps = rho A theta / |A theta|   (ASAM: rho theta^2 A theta / |theta A theta|)
     eta, rho = 0.1, 0.2
     model = quadratic_model(A)

@@ -20,7 +20,7 @@ def _one_thread():
 
 
 def mcse_z(draws: torch.Tensor, truth: float) -> float:
-    """|mean - truth| / (sd / sqrt(ESS)) for draws shaped [chains, num_draws] (TESTING.md section 3)."""
+    """|mean - truth| / (sd / sqrt(ESS)) for draws shaped [chains, num_draws] (the Monte-Carlo standard error)."""
     ess = float(effective_sample_size(draws, chain_dim=0, sample_dim=1))
     return abs(float(draws.mean()) - truth) / (float(draws.std()) / math.sqrt(ess))
 

@@ -76,7 +76,7 @@ def test_no_state_leaks_between_sequential_chains(sequential):
 
 
 def test_multiprocess_path(monkeypatch):
-    # TESTING.md section 5: force the one-process-per-chain sampler; workers seed with initial_seed + chain id
+    # force the one-process-per-chain sampler; workers seed with initial_seed + chain id
     monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 4)
     mcmc = MCMC(SGLD(normal_normal, step_size=0.01), num_samples=20, warmup_steps=5, num_chains=2,
                 mp_context="spawn", disable_progbar=True)
@@ -89,7 +89,7 @@ def test_multiprocess_path(monkeypatch):
 
 
 def test_hand_driven_kernel_with_potential_fn():
-    # without a model: set initial_params, setup, apply the kernel to its own output (TESTING.md section 5)
+    # without a model: set initial_params, setup, apply the kernel to its own output
     kernel = SGLD(potential_fn=quadratic_potential, step_size=0.05)
     kernel.initial_params = {"theta": torch.zeros(500)}
     kernel.setup(warmup_steps=0)

@@ -10,7 +10,7 @@ from .conftest import covariance_z, mcse_z
 
 
 def _rotation_target():
-    # TESTING.md section 2: A with eigenvalues {0.5, 2, 8}, Sigma = A^-1
+    # A with eigenvalues {0.5, 2, 8}, Sigma = A^-1
     q, _ = torch.linalg.qr(torch.tensor([[1.0, 0.3, -0.2], [0.1, 1.0, 0.4], [-0.5, 0.2, 1.0]]))
     precision = q @ torch.diag(torch.tensor([0.5, 2.0, 8.0])) @ q.T
     return torch.tensor([1.0, -2.0, 0.5]), precision
@@ -35,11 +35,11 @@ def test_ula_joint_law_tends_to_the_exact_marginals():
 
 @pytest.mark.statistical
 def test_entropy_mcmc_marginals_on_a_gaussian_with_vectorised_chains():
-    # theta ~ N(mu, Sigma) and theta_a ~ N(mu, Sigma + eta I) (TESTING.md section 2; Sigma^-1 eigenvalues 0.5, 2, 8,
+    # theta ~ N(mu, Sigma) and theta_a ~ N(mu, Sigma + eta I) (Sigma^-1 eigenvalues 0.5, 2, 8,
     # eta = 0.5). The kernel runs 1024 chains at once through a potential_fn summed over chains (chains are
     # independent since the potential is separable), step 0.02, 2000 steps, the first 1000 dropped (5 relaxation
-    # times of the slowest mode), thinning 10. Truth: the exact ULA law of the joint at this step (TESTING.md
-    # section 3), which tends to the exact marginals (test above). z < 4.5 per mean and covariance entry
+    # times of the slowest mode), thinning 10. Truth: the exact ULA law of the joint at this step, which
+    # tends to the exact marginals (test above). z < 4.5 per mean and covariance entry
     # (ESS >= 1500 per entry; 18 asserts, seed 0).
     mean, precision = _rotation_target()
     eta, step, chains = 0.5, 0.02, 1024

@@ -30,7 +30,7 @@ def test_closed_form_identity():
 
 @pytest.mark.statistical
 def test_inner_loop_mean_matches_the_closed_form():
-    # TESTING.md section 2: f = (x' - mu)^T A (x' - mu) / 2, A eigenvalues {0.5, 2, 8}, gamma = 1 / eta = 1. The inner
+    # f = (x' - mu)^T A (x' - mu) / 2, A eigenvalues {0.5, 2, 8}, gamma = 1 / eta = 1. The inner
     # chain targets p(x'|x) with mean (A + gamma I)^-1 (A mu + gamma x) (ULA is unbiased for a Gaussian mean).
     # 512 chains vectorised through a separable potential_fn, step 0.01; a first inner loop of 1000 steps burns in
     # (the chain continues), the second averages 2000 steps (mean_weight=None). z < 4.5 per coordinate from the ESS

@@ -56,7 +56,7 @@ def sgld_stationary_law(blr, step, batch, temperature=1.0):
 def test_stationary_law_helper_reduces_to_ula_and_to_the_posterior():
     blr = BayesianLinearRegression.generate(64, 2, beta=1.0)
     precision = torch.linalg.inv(blr.posterior_covariance)
-    # full batch: the ULA law (P - eps P^2 / 2)^-1 of TESTING.md section 2
+    # full batch: the ULA law (P - eps P^2 / 2)^-1 of the discretised chain
     m, cov = sgld_stationary_law(blr, 0.01, 64)
     assert torch.allclose(cov, torch.linalg.inv(precision - 0.01 * precision @ precision / 2), atol=1e-12)
     assert torch.allclose(m, blr.posterior_mean, atol=1e-12)
