@@ -333,7 +333,7 @@ def test_streaming_accumulators_hold_bounded_memory():
         if k in (rank, 40):
             held.append((_held_bytes(swag), _held_bytes(bma), _held_bytes(hook)))
     assert held[0] == held[1]
-    assert held[1][0] == (2 + rank) * size * 8  # mean, mean of squares, K deviation rows (float64)
+    assert held[1][0] == (3 + rank) * size * 8  # mean, mean of squares, the reused flat iterate, K deviations (f64)
     assert swag.num_collected == 40 and bma.num_samples == 40 and hook.num_draws == 40
 
 

@@ -45,7 +45,10 @@ def update_running_mean(mean: Tensor, value: Tensor, num_before: int) -> None:
     :math:`\bar x \leftarrow (n\bar x + x)/(n+1)`."""
     if num_before < 0:
         raise ValueError(f"`num_before` must be >= 0, got {num_before}")
-    mean.lerp_(value, 1.0 / (num_before + 1))
+    if num_before == 0:
+        mean.copy_(value)
+    else:
+        mean.lerp_(value, 1.0 / (num_before + 1))
 
 
 def update_running_moments(mean: Tensor, sq_mean: Tensor, value: Tensor, num_before: int) -> None:
@@ -60,7 +63,11 @@ def update_running_moments(mean: Tensor, sq_mean: Tensor, value: Tensor, num_bef
     :param int num_before: :math:`n\ge0`, how many values the moments already hold.
     """
     update_running_mean(mean, value, num_before)
-    update_running_mean(sq_mean, value.square(), num_before)
+    if num_before == 0:
+        torch.mul(value, value, out=sq_mean)
+    else:  # m2 (n / (n+1)) + theta^2 / (n+1) without a temporary theta^2 (a full copy of the weights)
+        weight = 1.0 / (num_before + 1)
+        sq_mean.mul_(1.0 - weight).addcmul_(value, value, value=weight)
 
 
 def diagonal_variance(mean: Tensor, sq_mean: Tensor, clamp: float = VARIANCE_CLAMP) -> Tensor:
@@ -117,9 +124,14 @@ class DeviationBuffer:
         """:math:`K`, the number of columns held."""
         return min(self.num_appended, self.max_rank)
 
-    def append(self, column: Tensor) -> None:
-        """Store ``column`` (length :math:`P`), overwriting the oldest one once ``max_rank`` are held."""
-        self.rows[self.num_appended % self.max_rank].copy_(column)
+    def append(self, column: Tensor, minus: Tensor | None = None) -> None:
+        """Store ``column`` (length :math:`P`), or ``column - minus`` written straight into the buffer, overwriting
+        the oldest column once ``max_rank`` are held."""
+        row = self.rows[self.num_appended % self.max_rank]
+        if minus is None:
+            row.copy_(column)
+        else:
+            torch.sub(column, minus, out=row)
         self.num_appended += 1
 
     def matrix(self) -> Tensor:

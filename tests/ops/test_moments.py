@@ -22,6 +22,12 @@ def test_running_moments_equal_batch_moments():
     torch.testing.assert_close(diagonal_variance(mean, sq), values.var(0, unbiased=False))
 
 
+def test_running_moments_overwrite_whatever_the_buffers_held_before_the_first_value():
+    mean, sq = torch.full((2,), float("nan")), torch.full((2,), float("inf"))
+    update_running_moments(mean, sq, torch.tensor([2.0, -3.0]), 0)
+    assert torch.equal(mean, torch.tensor([2.0, -3.0])) and torch.equal(sq, torch.tensor([4.0, 9.0]))
+
+
 def test_running_mean_first_value_is_exact_and_bad_count_fails():
     mean = torch.full((3,), 123.0)
     update_running_mean(mean, torch.tensor([1.0, 2.0, 3.0]), 0)
@@ -45,6 +51,15 @@ def test_deviation_buffer_keeps_the_last_columns_in_order(max_rank):
         k = min(n + 1, max_rank)
         assert buffer.rank == k
         torch.testing.assert_close(buffer.matrix(), columns[n + 1 - k : n + 1].T)
+
+
+def test_deviation_buffer_stores_a_difference_in_place():
+    value, mean = torch.randn(4), torch.randn(4)
+    buffer = DeviationBuffer(2, 4, dtype=value.dtype, device="cpu")
+    rows = buffer.rows.data_ptr()
+    buffer.append(value, minus=mean)
+    assert buffer.rows.data_ptr() == rows
+    torch.testing.assert_close(buffer.matrix()[:, 0], value - mean)
 
 
 def test_deviation_buffer_rejects_bad_rank():

@@ -130,6 +130,7 @@ class SWAGCollector:
         self._mean: Tensor | None = None
         self._sq_mean: Tensor | None = None
         self._deviations: DeviationBuffer | None = None
+        self._flat: Tensor | None = None  # the current iterate, flattened (reused by every collection)
 
     # -----------------------------------------------------------------------------------------------------------------
     # collection
@@ -149,8 +150,10 @@ class SWAGCollector:
                 raise ValueError(
                     f"SWAGCollector.collect: site {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
                 )
-            parts.append(value.detach().reshape(-1))
-        return torch.cat(parts).to(dtype=self._mean.dtype, device=self._mean.device)
+            parts.append(value.detach().reshape(-1).to(dtype=self._mean.dtype, device=self._mean.device))
+        if self._flat is None:
+            self._flat = torch.empty_like(self._mean)
+        return torch.cat(parts, out=self._flat)  # reused: no fresh (page-faulting) copy of the weights per call
 
     def _allocate(self, values: Mapping[str, Tensor]) -> None:
         if not isinstance(values, Mapping) or not values:
@@ -208,7 +211,7 @@ class SWAGCollector:
             self._allocate(values)
         theta = self._flatten(values)
         update_running_moments(self._mean, self._sq_mean, theta, self.num_collected)
-        self._deviations.append(theta - self._mean)
+        self._deviations.append(theta, minus=self._mean)
         self.num_collected += 1
 
     def collect_samples(self, samples: Mapping[str, Tensor]) -> None:

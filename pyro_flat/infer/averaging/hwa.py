@@ -60,7 +60,7 @@ from pyro.infer.autoguide import AutoContinuous, AutoNormal
 from torch import Tensor
 
 from ..._validation import check_int
-from ...ops.moments import update_running_mean
+from ...ops.moments import update_running_moments
 from ..autoguide.swag import AutoSWAG, SWAGCollector
 
 VARIANCE_RULES = ("means", "total", "scales")
@@ -183,8 +183,7 @@ class HWA:
         if self._scale_mean is None:
             self._scale_mean = torch.zeros_like(flat_scale)
             self._scale_sq_mean = torch.zeros_like(flat_scale)
-        update_running_mean(self._scale_mean, flat_scale, n)
-        update_running_mean(self._scale_sq_mean, flat_scale.square(), n)
+        update_running_moments(self._scale_mean, self._scale_sq_mean, flat_scale, n)
 
     def callback(
         self, cycle_length: int, *, start: int = 0, scheduler: pyro.optim.PyroLRScheduler | None = None

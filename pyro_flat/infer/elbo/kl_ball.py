@@ -221,8 +221,7 @@ class KLBallELBO(Trace_ELBO):
                 leaves and observed) else {}
         if delta:
             moved = [(leaf, leaf + delta[name]) for name, leaf in leaves.items() if name in delta]
-            with run.replay(), substituted_tensors(moved):
-                perturbed, _ = super()._get_trace(model, guide, args, kwargs)
+            perturbed = self._perturbed_data_term(model, guide, args, kwargs, run, moved)
             for name, site in model_trace.nodes.items():
                 if site["type"] == "sample" and site["is_observed"]:
                     model_trace.nodes[name] = perturbed.nodes[name]
@@ -241,6 +240,19 @@ class KLBallELBO(Trace_ELBO):
             model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
         self._check_traces(model_trace, guide_trace)
         return model_trace, guide_trace, run
+
+    @staticmethod
+    def _perturbed_data_term(
+        model: Callable, guide: Callable, args: tuple, kwargs: dict, run: RunRecorder, moved: list
+    ) -> poutine.Trace:
+        r"""The model run against the guide at :math:`\phi+\delta^*` (``moved``) with the first pass's random numbers
+        and subsample indices (Pyro's importance trace, as in ``Trace_ELBO``), only its observed sites scored: the
+        prior and guide terms of the loss are the first pass's, at :math:`\phi`."""
+        with run.replay(), substituted_tensors(moved):
+            guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+            perturbed = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+            perturbed.compute_log_prob(site_filter=lambda _, site: site["is_observed"])
+        return perturbed
 
     def _check_traces(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> None:
         for name, site in _latent_guide_sites(guide_trace):
@@ -267,12 +279,15 @@ class KLBallELBO(Trace_ELBO):
         names = list(leaves)
         blocks = _closed_form_blocks(self._guide) if self.fisher == "auto" else None
         if self.direction == "normalized_score":
-            at_sample = self._guide_at_sample(guide_trace, run, guide, args, kwargs)
+            # a factorised autoguide's distributions are functions of phi alone: score the first pass's (keeping its
+            # graph for the loss); any other guide runs again with its sites' parents at the sampled values
+            factorised = _closed_form_blocks(self._guide) is not None
+            at_sample = guide_trace if factorised else self._guide_at_sample(guide_trace, run, guide, args, kwargs)
             log_q = sum(
-                site["fn"].log_prob(site["value"]).sum()
+                site["fn"].log_prob(site["value"].detach()).sum()
                 for _, site in _latent_guide_sites(at_sample) if _point_mass(site["fn"]) is None
             )
-            scores = dict(zip(names, _grads(log_q, [leaves[n] for n in names]), strict=True))
+            scores = dict(zip(names, _grads(log_q, [leaves[n] for n in names], retain_graph=factorised), strict=True))
             roles = self._roles(blocks, leaves)
             steps = normalized_score_step([[scores[n] for n in role] for role in roles], self.radius)
             return {n: s for role, step in zip(roles, steps, strict=True) for n, s in zip(role, step, strict=True)}
