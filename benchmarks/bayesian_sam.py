@@ -20,6 +20,8 @@ Run: ``python benchmarks/bayesian_sam.py [--repeats 15 --steps 20]``; writes ``b
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import pyro
@@ -54,11 +56,13 @@ def make_net(seed: int) -> torch.nn.Sequential:
 
 
 class PlainSAM:
-    """SAM around torch Adam, written out: grad, global norm, perturb, grad, restore, Adam step."""
+    """SAM around a torch optimizer (default Adam), written out: grad, global norm, perturb, grad (inside
+    ``second_pass()``, e.g. with BatchNorm's running statistics kept), restore, base step."""
 
-    def __init__(self, params: list[torch.Tensor], rho: float, lr: float) -> None:
-        self.params, self.rho = params, rho
-        self.adam = torch.optim.Adam(params, lr=lr)
+    def __init__(self, params: list[torch.Tensor], rho: float, lr: float, *, base: type = torch.optim.Adam,
+                 second_pass: Callable[[], AbstractContextManager] = nullcontext, **base_kwargs: object) -> None:
+        self.params, self.rho, self.second_pass = params, rho, second_pass
+        self.base = base(params, lr=lr, **base_kwargs)
 
     def step(self, loss_fn) -> None:
         for p in self.params:
@@ -71,18 +75,22 @@ class PlainSAM:
                 p.add_(e)
         for p in self.params:
             p.grad = None
-        loss_fn().backward()
+        with self.second_pass():
+            loss_fn().backward()
         with torch.no_grad():
             for p, e in zip(self.params, eps, strict=True):
                 p.sub_(e)
-        self.adam.step()
+        self.base.step()
 
 
 class PlainBSAM:
-    """bSAM written out with per-tensor loops (github.com/team-approx-bayes/bayesian-sam, optim.py)."""
+    """bSAM written out with per-tensor loops (github.com/team-approx-bayes/bayesian-sam, optim.py); the second
+    gradient inside ``second_pass()``."""
 
-    def __init__(self, params: list[torch.Tensor], lr: float, n: int, rho: float, prior: float) -> None:
+    def __init__(self, params: list[torch.Tensor], lr: float, n: int, rho: float, prior: float, *,
+                 second_pass: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.params, self.lr, self.n, self.rho, self.delta = params, lr, n, rho, prior / n
+        self.second_pass = second_pass
         self.gm = [torch.zeros_like(p) for p in params]
         self.s = [torch.ones_like(p) for p in params]
 
@@ -100,7 +108,8 @@ class PlainBSAM:
                 p.copy_(mi + self.rho * gi / si)
         for p in self.params:
             p.grad = None
-        loss_fn().backward()
+        with self.second_pass():
+            loss_fn().backward()
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 gs = torch.sqrt(self.s[i] * g[i] ** 2)

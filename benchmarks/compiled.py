@@ -55,30 +55,21 @@ from pyro_flat.infer import (
     SharpnessAwareELBO,
 )
 from pyro_flat.infer.mcmc import SGLD
-from pyro_flat.nn import BayesianClassifier, init_to_network, make_bayesian
+from pyro_flat.nn import BayesianClassifier, init_to_network, make_bayesian, resnet18
 
 STEP_SIZE = 1e-6
 
 
-def resnet18_cifar(num_classes: int = 10) -> nn.Module:
-    """ResNet-18 with the CIFAR stem: pyro_flat.nn's (issue 12) when present, else torchvision's resnet18 with a 3x3
-    stride-1 first convolution and no max-pool."""
-    try:
-        from pyro_flat.nn import resnet18
-    except ImportError:
-        import torchvision
-
-        net = torchvision.models.resnet18(num_classes=num_classes)
-        net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
-        net.maxpool = nn.Identity()
-        return net
-    return resnet18(num_classes)
-
-
 class Network:
-    """A network as a Pyro model and as hand-written torch, with its data."""
+    """A network as a Pyro model and as hand-written torch, with its data.
 
-    def __init__(self, name: str) -> None:
+    :param name: ``"mlp"`` or ``"resnet18"``.
+    :param width: ResNet-18's first-stage width (64: the standard network; small widths for tests).
+    :param num_data: ResNet-18's number of synthetic CIFAR-shaped training points.
+    :param batch: ResNet-18's minibatch size.
+    """
+
+    def __init__(self, name: str, *, width: int = 64, num_data: int = 1024, batch: int = 32) -> None:
         self.name = name
         if name == "mlp":
             data = load_digits(dtype=torch.float32)
@@ -90,12 +81,14 @@ class Network:
                                                   nn.Linear(256, 10))
         elif name == "resnet18":
             generator = torch.Generator().manual_seed(0)
-            self.x = torch.randn(1024, 3, 32, 32, generator=generator)
-            self.y = torch.randint(0, 10, (1024,), generator=generator)
-            self.batch = 32
-            self.describe = ("ResNet-18, CIFAR stem, BatchNorm, 11.2 M latent weights, on CIFAR-shaped synthetic data "
-                             "(N = 1024), minibatch 32")
-            net = resnet18_cifar()
+            self.x = torch.randn(num_data, 3, 32, 32, generator=generator)
+            self.y = torch.randint(0, 10, (num_data,), generator=generator)
+            self.batch = batch
+            net = resnet18(10, width=width)
+            size = sum(p.numel() for p in net.parameters())
+            self.describe = (f"ResNet-18{'' if width == 64 else f' (width {width})'}, CIFAR stem, BatchNorm, "
+                             f"{size / 1e6:.1f} M latent weights, on CIFAR-shaped synthetic data (N = {num_data}), "
+                             f"minibatch {batch}")
             names = [n for n, _ in net.named_parameters()]
             self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net)), 10)
             self.torch_params = list(net.parameters())
@@ -116,7 +109,7 @@ class Network:
 
 class TorchSGLD:
     """Idiomatic hand-written SGLD: ``nn.Module`` forward, ``F.cross_entropy(sum) * N/B + |theta|^2 / 2`` (the N(0, 1)
-    prior), autograd, in-place Langevin updates."""
+    prior), autograd, in-place Langevin updates. Subclasses (the other kernels' loops) replace :meth:`update`."""
 
     def __init__(self, network: Network) -> None:
         self.x, self.y, self.batch = network.x, network.y, network.batch
@@ -124,26 +117,33 @@ class TorchSGLD:
         self.params = list(self.net.parameters())
         self.noise_scale = math.sqrt(2 * STEP_SIZE)
 
-    def step(self) -> None:
+    def gradients(self) -> tuple[torch.Tensor, ...]:
+        """The gradient of the minibatch potential at the network's weights (a fresh minibatch)."""
         idx = torch.randperm(len(self.x))[: self.batch]
         loss = F.cross_entropy(self.net(self.x[idx]), self.y[idx], reduction="sum") * (len(self.x) / self.batch)
         loss = loss + 0.5 * sum((p * p).sum() for p in self.params)
-        grads = torch.autograd.grad(loss, self.params)
-        with torch.no_grad():
-            for p, g in zip(self.params, grads, strict=True):
-                p.add_(g, alpha=-STEP_SIZE).add_(torch.randn_like(p), alpha=self.noise_scale)
+        return torch.autograd.grad(loss, self.params)
+
+    @torch.no_grad()
+    def update(self, grads: tuple[torch.Tensor, ...]) -> None:
+        for p, g in zip(self.params, grads, strict=True):
+            p.add_(g, alpha=-STEP_SIZE).add_(torch.randn_like(p), alpha=self.noise_scale)
+
+    def step(self) -> None:
+        self.update(self.gradients())
 
 
 class KernelSteps:
-    """Gradient steps of an SG-MCMC kernel: one ``MCMC.run`` of ``draws`` draws, each ``thinning`` gradient steps
-    apart, per ``step()`` (``draws > 0``, set-up included, every draw kept), or the kernel's ``sample`` applied to its
-    own output (``draws = 0``)."""
+    """Gradient steps of an SG-MCMC kernel (default SGLD): one ``MCMC.run`` of ``draws`` draws, each ``thinning``
+    transitions apart, per ``step()`` (``draws > 0``, set-up included, every draw kept), or one transition, the
+    kernel's ``sample`` applied to its own output (``draws = 0``)."""
 
-    def __init__(self, network: Network, draws: int, thinning: int = 1, **options: object) -> None:
+    def __init__(self, network: Network, draws: int, thinning: int = 1, kernel: type = SGLD,
+                 **options: object) -> None:
         self.network, self.draws = network, draws
         model = network.make_model()
-        self.kernel = SGLD(model, step_size=STEP_SIZE, init_strategy=init_to_network(model), thinning=thinning,
-                           **options)
+        self.kernel = kernel(model, step_size=STEP_SIZE, init_strategy=init_to_network(model), thinning=thinning,
+                             **options)
         self.units_per_step = max(draws * thinning, 1)
         if not draws:
             self.kernel.setup(0, network.x, network.y, subsample_size=network.batch)
