@@ -92,7 +92,12 @@ def render(records: list[dict]) -> None:
         "Generated from the outcomes of the conformance suite (`tests/conformance/`): every objective, transform, "
         "kernel and post-hoc guide of pyro_flat on a catalogue of Pyro model/guide shapes. A cell is ✓ when every "
         "check passed, *refused* when the method stopped with an error naming the site and the reason.\n\n"
-        "## By model feature\n\n" + table + "\n\n## By catalogue case\n\n" + detail(records) + "\n"
+        "## By model feature\n\n" + table + "\n\n## By catalogue case\n\n" + detail(records) + "\n\n"
+        "## Pyro's own test suite\n\n"
+        "The outside check: Pyro's `tests/infer/test_valid_models.py` and `test_gradient.py` with each flat objective "
+        "swapped in for `Trace_ELBO`, at radius 0 (where it must be `Trace_ELBO`) and at a positive radius "
+        "(`scripts/pyro_suite.py`, which needs a Pyro source checkout; not run in CI).\n\n"
+        "```{include} ../results/conformance/pyro_suite.md\n:heading-offset: 2\n```\n"
     )
     readme = README.read_text()
     if START in readme and END in readme:
