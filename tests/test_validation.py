@@ -1,8 +1,10 @@
-"""The one integer check of the package: which argument, what was expected, what was given."""
+"""The package's shared checks: the one integer check (which argument, what was expected, what was given) and the
+one-host-read test of many flags."""
 
 import pytest
+import torch
 
-from pyro_flat._validation import check_int
+from pyro_flat._validation import all_true, check_int
 
 
 def test_check_int_accepts_ints_at_the_bound():
@@ -14,3 +16,10 @@ def test_check_int_accepts_ints_at_the_bound():
 def test_check_int_names_the_argument_and_the_bound(value):
     with pytest.raises(ValueError, match=r"^HWA.callback: `k` must be an int >= 1, got "):
         check_int(value, "k", owner="HWA.callback")
+
+
+def test_all_true_reads_every_flag_at_once():
+    ones = torch.ones(3)
+    assert all_true([])
+    assert all_true([ones.isfinite().all(), (ones > 0).all()])
+    assert not all_true([ones.isfinite().all(), (ones > 1).all(), torch.tensor(True)])

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from .._validation import all_true
 from ..data import ClassificationData
 from ..data.images import VisionData, combined_seed
 from ..distributed import shard_size
@@ -130,7 +131,7 @@ class TensorStream:
         return {}
 
     def load_state_dict(self, state: Mapping) -> None:
-        pass
+        """Nothing to restore: the stream's randomness is torch's global state, restored with the checkpoint."""
 
 
 class LoaderStream:
@@ -253,7 +254,7 @@ def _first_non_finite(state: Mapping) -> str | None:
     if not tensors:
         return None
     flags = [t.isfinite().all() for _, t in tensors]
-    if bool(torch.stack([f.to(flags[0].device) for f in flags]).all()):
+    if all_true(flags):
         return None
     return next(name for (name, _), ok in zip(tensors, flags, strict=True) if not bool(ok))
 

@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from torch.distributions import biject_to
 from torch.distributions.transforms import Transform
 
+from .._validation import all_true
 from ..distributed import all_reduce_mean, check_distributed
 from ..infer.replay import RunRecorder
 from ..infer.util import is_latent_site, is_real_support
@@ -354,11 +355,12 @@ class SharpnessAwareModel(nn.Module):
     def _check_perturbed(self, record: _RecordingPass, perturbed: Mapping[str, Tensor]) -> None:
         """A clear error if a perturbed value overflowed out of its site's support (one host read; under validation
         or on the error path only)."""
-        degenerate = [
-            name for name, (_, fn) in record.latents.items()
-            if not bool(torch.isfinite(perturbed[name]).all() and fn.support.check(perturbed[name]).all())
-        ]
-        if degenerate:
+        valid = {
+            name: torch.isfinite(perturbed[name]).all() & fn.support.check(perturbed[name]).all()
+            for name, (_, fn) in record.latents.items()
+        }
+        if not all_true(list(valid.values())):
+            degenerate = [name for name, ok in valid.items() if not bool(ok)]
             raise ValueError(
                 f"sharpness_aware (rho={self.rho}): the perturbed values of the sites {degenerate} are not finite or "
                 "left their support (the SAM step overflowed the site's transform); lower rho"

@@ -44,7 +44,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import kl_divergence, transform_to
 
-from ..._validation import check_int
+from ..._validation import all_true, check_int
 from ...distributed import all_reduce_mean, check_distributed
 from ...ops.fisher import (
     conjugate_gradient,
@@ -301,12 +301,13 @@ class KLBallELBO(Trace_ELBO):
             check_distributed("KLBallELBO")
             grads = all_reduce_mean(grads, self.process_group)
         if is_validation_enabled():
-            for name, g in zip(names, grads, strict=True):
-                if not bool(torch.isfinite(g).all()):
-                    raise FloatingPointError(
-                        f"KLBallELBO: the gradient of the data term with respect to the guide parameter {name!r} is "
-                        "not finite; the model's log-likelihood diverged at the current guide parameters"
-                    )
+            finite = [torch.isfinite(g).all() for g in grads]
+            if not all_true(finite):
+                name = next(n for n, ok in zip(names, finite, strict=True) if not bool(ok))
+                raise FloatingPointError(
+                    f"KLBallELBO: the gradient of the data term with respect to the guide parameter {name!r} is "
+                    "not finite; the model's log-likelihood diverged at the current guide parameters"
+                )
         grad = dict(zip(names, grads, strict=True))
         if blocks is not None:
             directions = self._closed_form_directions(blocks, leaves, grad)

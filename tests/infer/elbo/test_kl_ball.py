@@ -398,6 +398,27 @@ def test_diverging_likelihood_names_the_parameter():
         KLBallELBO(0.1).loss(bad_model, guide, X)
 
 
+class _InfiniteGradient(torch.autograd.Function):
+    """The identity, with an infinite gradient: a likelihood finite in value whose gradient diverged."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad * float("inf")
+
+
+def test_infinite_data_gradient_names_the_guide_parameter():
+    def model(x):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("x", dist.Normal(_InfiniteGradient.apply(z), 1.0).expand([len(x)]).to_event(1), obs=x)
+
+    with pytest.raises(FloatingPointError, match="guide parameter 'AutoNormal.locs.z' is not finite"):
+        KLBallELBO(0.1).loss(model, AutoNormal(model), X)
+
+
 @pytest.mark.cuda
 def test_runs_on_cuda():
     x = X.cuda()
