@@ -11,7 +11,14 @@ CPU-only CI can assert that a training step adds none:
   no-ops that the dispatcher never sees, so they are counted by name at the Python API), and ``.to(device)`` from
   a non-CPU tensor (e.g. on the ``meta`` device) to the CPU;
 * operations whose output shape depends on the data, which CUDA must synchronise to allocate the output:
-  ``nonzero``, boolean-mask indexing ``t[mask]``, ``masked_select``, ``unique``.
+  ``nonzero``, boolean-mask indexing ``t[mask]``, ``masked_select``, ``unique``;
+* a tensor made from Python data for a given device: ``torch.tensor(0.3, device=x.device)``,
+  ``torch.as_tensor(...)``, ``torch.scalar_tensor(...)`` with ``device=`` (e.g. ``dist.Normal(loc, 0.3)``, which makes
+  its scale so): on an accelerator a blocking copy from host memory, which waits like a read. Counted whatever the
+  device, so that a CPU run sees what a GPU run would.
+
+Not counted: torch's optimizers (``Adam``, ...) read their step counter with ``.item()``, but keep it on the host
+unless ``capturable=True``, so the read is free on a GPU.
 
 Example::
 
@@ -56,6 +63,7 @@ _DATA_DEPENDENT_SHAPE = {
     torch.ops.aten.unique_consecutive.default: "unique_consecutive",
 }
 _HOST_COPY_METHODS = {"cpu", "tolist", "numpy"}
+_FROM_PYTHON_DATA = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,14 @@ def _caller(depth: int) -> str:
         if "/torch/" not in f.filename and not f.filename.endswith("/pyro_flat/testing.py")
     ]
     return " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} in {f.name}" for f in reversed(frames[-depth:]))
+
+
+def _reads_an_optimizer_step_counter() -> bool:
+    """Whether the scalar being read is a torch optimizer's host-resident step counter (``_get_value``)."""
+    return any(
+        f.name == "_get_value" and f.filename.endswith(("torch/optim/optimizer.py", "torch\\optim\\optimizer.py"))
+        for f in traceback.extract_stack(limit=12)
+    )
 
 
 def _copies_to_host(args: tuple, kwargs: dict) -> bool:
@@ -102,6 +118,10 @@ class _FunctionLevel(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _HOST_COPY_METHODS or (name == "to" and _copies_to_host(args, kwargs)):
             self.owner._add(f"host copy (.{name})")
+        elif func in _FROM_PYTHON_DATA and kwargs.get("device") is not None and args and not isinstance(
+            args[0], torch.Tensor
+        ):
+            self.owner._add(f"host-to-device copy (torch.{name} from Python data)")
         return func(*args, **kwargs)
 
 
@@ -113,7 +133,8 @@ class _DispatchLevel(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:  # noqa: ANN401
         kwargs = kwargs or {}
         if func is _SCALAR_READ:
-            self.owner._add("scalar read")
+            if not _reads_an_optimizer_step_counter():
+                self.owner._add("scalar read")
         elif func in _DATA_DEPENDENT_SHAPE:
             self.owner._add(f"data-dependent shape ({_DATA_DEPENDENT_SHAPE[func]})")
         elif func is torch.ops.aten.index.Tensor and any(

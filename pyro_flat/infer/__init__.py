@@ -11,10 +11,13 @@ from .elbo import (
     KLBallELBO,
     SharpnessAwareELBO,
     SharpnessAwareMeanFieldELBO,
+    TensorTrace_ELBO,
+    TensorTraceMeanField_ELBO,
 )
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .particles import BatchedMAP, BatchedPotential, BatchedSGLD, init_particles
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
+from .svi import TensorSVI
 from .util import at_latent_values, is_latent_site, latent_sites, latent_supports
 
 __all__ = [
@@ -43,6 +46,9 @@ __all__ = [
     "KLBallELBO",
     "SharpnessAwareELBO",
     "SharpnessAwareMeanFieldELBO",
+    "TensorSVI",
+    "TensorTraceMeanField_ELBO",
+    "TensorTrace_ELBO",
     "bma_predict",
     "guide_draws",
     "is_latent_site",

@@ -25,11 +25,10 @@ from typing import Any
 import pyro
 import torch
 from pyro import poutine
-from pyro.distributions.util import scale_and_mask
+from pyro.infer.util import is_validation_enabled
 from pyro.poutine.runtime import _PYRO_STACK, effectful
 from pyro.util import warn_if_nan
 from torch import Tensor
-from torch.distributions import kl_divergence
 
 from ..compiled import CompiledCalls, module_key, options_key, tensor_key
 from .kl_ball import KLBallELBO
@@ -59,9 +58,9 @@ class _Jit:
         self._programs: dict[Hashable, tuple[Callable, Callable]] = {}
 
     def _particle_loss(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> Tensor:
-        """:math:`-[\\log p - \\log q]` of one particle (every guide site is reparameterised, checked by the eager
-        ELBO)."""
-        return guide_trace.log_prob_sum() - model_trace.log_prob_sum()
+        """The differentiable loss of one particle: the eager ELBO's surrogate (its value is the loss, every guide
+        site being reparameterised, which the eager ELBO checks)."""
+        return self._differentiable_loss_particle(model_trace, guide_trace)[1]
 
     def _eager_loss(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> Tensor:
         loss = 0.0
@@ -109,7 +108,8 @@ class _Jit:
 
     def differentiable_loss(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> Tensor:
         loss = self.compiled_loss(model, guide, *args, **kwargs)
-        warn_if_nan(loss, "loss")
+        if is_validation_enabled():
+            warn_if_nan(loss, "loss")
         return loss
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> float:
@@ -148,28 +148,6 @@ class JitSharpnessAwareMeanFieldELBO(_Jit, SharpnessAwareMeanFieldELBO):
     :type jit_options: dict or None
     :param kwargs: the options of :class:`~pyro_flat.infer.SharpnessAwareMeanFieldELBO`.
     """
-
-    def _particle_loss(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> Tensor:
-        # TraceMeanField_ELBO's particle: the analytic KL where the guide samples a model site from a distribution
-        # with a registered KL divergence to its prior, the sampled estimate otherwise (its value, not a host read)
-        elbo = 0.0
-        for name, site in model_trace.nodes.items():
-            if site["type"] != "sample":
-                continue
-            if site["is_observed"]:
-                elbo = elbo + site["log_prob_sum"]
-                continue
-            guide_site = guide_trace.nodes[name]
-            try:
-                kl = kl_divergence(guide_site["fn"], site["fn"])
-            except NotImplementedError:
-                elbo = elbo + site["log_prob_sum"] - guide_site["score_parts"].entropy_term.sum()
-            else:
-                elbo = elbo - scale_and_mask(kl, guide_site["scale"], guide_site["mask"]).sum()
-        for name, site in guide_trace.nodes.items():
-            if site["type"] == "sample" and name not in model_trace.nodes:  # auxiliary sites
-                elbo = elbo - site["score_parts"].entropy_term.sum()
-        return -elbo
 
 
 class JitKLBallELBO(_Jit, KLBallELBO):

@@ -36,7 +36,6 @@ from operator import attrgetter
 import pyro.distributions as dist
 import torch
 from pyro import poutine
-from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.guide import GuideMessenger
@@ -55,6 +54,7 @@ from ...ops.fisher import (
 )
 from ...ops.sam import check_radius
 from ..replay import RunRecorder, substituted_tensors
+from .trace_elbo import TensorTrace_ELBO
 
 __all__ = ["KLBallELBO"]
 
@@ -113,7 +113,7 @@ def _latent_guide_sites(trace: poutine.Trace) -> Iterator[tuple[str, dict]]:
             yield name, site
 
 
-class KLBallELBO(Trace_ELBO):
+class KLBallELBO(TensorTrace_ELBO):
     r"""SA-BMA's KL-ball adversarial ELBO [1], a :class:`~pyro.infer.Trace_ELBO` that ``SVI.step`` uses unchanged,
     for any reparameterised guide.
 

@@ -39,11 +39,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from pyro.distributions import Delta
-from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
 from pyro.poutine import Trace
 
 from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
 from ..util import is_latent_site, is_real_support
+from .trace_elbo import TensorTrace_ELBO, TensorTraceMeanField_ELBO
 
 
 class _SharpnessAware:
@@ -93,7 +93,7 @@ class _SharpnessAware:
         return model_trace, guide_trace
 
 
-class SharpnessAwareELBO(_SharpnessAware, Trace_ELBO):
+class SharpnessAwareELBO(_SharpnessAware, TensorTrace_ELBO):
     r"""The sharpness-aware ELBO (SA-ELBO) of Flat Seeking BNNs [1], a :class:`~pyro.infer.Trace_ELBO` for
     :class:`~pyro.infer.SVI` with any reparameterised guide and any ``PyroOptim``.
 
@@ -141,7 +141,7 @@ class SharpnessAwareELBO(_SharpnessAware, Trace_ELBO):
     """
 
 
-class SharpnessAwareMeanFieldELBO(_SharpnessAware, TraceMeanField_ELBO):
+class SharpnessAwareMeanFieldELBO(_SharpnessAware, TensorTraceMeanField_ELBO):
     r"""The SA-ELBO with Pyro's analytic KL divergence, like :class:`~pyro.infer.TraceMeanField_ELBO`:
 
     .. math:: -\Big[\ell_B(\theta') - \sum_z \mathrm{KL}\big(q_\phi(z)\,\|\,p(z)\big)\Big],

@@ -56,6 +56,7 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
+from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
@@ -117,7 +118,9 @@ class ModelPotential:
                     f"the model sampled latent site {name!r}, which is not among the kernel's parameters "
                     f"{sorted(values)}; a model's latent sites must not change between calls"
                 )
-        potential = -trace.log_prob_sum()
+        # subsample sites excluded: their log-density is a constant zero that Pyro makes from a Python number on
+        # the device at every call (a blocking host-to-device copy on a GPU)
+        potential = -trace.log_prob_sum(site_filter=lambda _, site: not site_is_subsample(site))
         return potential if log_det is None else potential + log_det
 
 
