@@ -6,6 +6,10 @@ timing is ``_timing.py``'s.
 * :class:`TorchBBB`: a hand-written mean-field Bayes-by-backprop step with the same arithmetic as ``Trace_ELBO`` +
   ``AutoNormal`` (sampled weights ``loc + softplus(u) * eps``, sampled log prior and log guide, N/B-scaled
   cross-entropy, one backward, Adam); subclasses replace :meth:`TorchBBB.likelihood_nll` to add a flat step;
+  :class:`TorchMAP` the same for MAP (``AutoDelta``: the weights themselves, log prior + likelihood), with SAM's
+  second pass when ``rho > 0``;
+* :func:`packed_torch`: a hand-written network's weights as one flat vector viewed into its tensors (the packed form
+  of ``pyro_flat.nn.pack_latents``, written out);
 * :func:`mlp_model`, :func:`mlp_torch`: the MLP 64-256-256-10 of digits as a Pyro model and as hand-written torch.
 """
 
@@ -83,21 +87,41 @@ class PyroStep:
         self.optim.step()
 
 
+def packed_torch(params: list[torch.Tensor], forward: Callable) -> tuple[list[torch.Tensor], Callable]:
+    """A hand-written network with its weights as one flat vector: ``([flat], forward(weights, x))``, the vector split
+    and viewed into the tensors of ``params`` at each call (``pyro_flat.nn.pack_latents``'s layout, written out)."""
+    shapes = [p.shape for p in params]
+    sizes = [p.numel() for p in params]
+
+    def packed_forward(weights, x):
+        (flat,) = weights
+        return forward([c.unflatten(-1, shape) for c, shape in zip(flat.split(sizes, -1), shapes, strict=True)], x)
+
+    return [torch.cat([p.detach().reshape(-1) for p in params])], packed_forward
+
+
 class TorchBBB:
     """Mean-field Bayes by backprop written by hand: Trace_ELBO + AutoNormal's arithmetic on the same network.
 
     :param params: the network's initial weights (the means start there).
     :param forward: ``forward(weights, x) -> logits``.
+    :param foreach: ``torch.optim.Adam``'s ``foreach`` (``None``: torch's default, a loop over the tensors on a CPU and
+        one multi-tensor kernel per operation on a GPU).
     """
 
-    def __init__(self, x, y, params: list[torch.Tensor], forward: Callable, batch: int = BATCH) -> None:
+    def __init__(self, x, y, params: list[torch.Tensor], forward: Callable, batch: int = BATCH, *,
+                 foreach: bool | None = None) -> None:
         self.x, self.y, self.batch = x, y, batch
         self.num_data = len(self.x)
         self.forward = forward
         inv_softplus = math.log(math.expm1(INIT_SCALE))
         self.locs = [p.detach().clone().requires_grad_() for p in params]
         self.raw_scales = [torch.full_like(p, inv_softplus).requires_grad_() for p in self.locs]
-        self.optim = torch.optim.Adam(self.locs + self.raw_scales, lr=LR)
+        self.optim = torch.optim.Adam(self.parameters(), lr=LR, foreach=foreach)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The optimised tensors, in the order of Pyro's ``AutoNormal`` parameters (locs, then scales)."""
+        return self.locs + self.raw_scales
 
     def nll(self, weights, x, y):
         return F.cross_entropy(self.forward(weights, x), y, reduction="sum") * (self.num_data / len(x))
@@ -106,16 +130,49 @@ class TorchBBB:
         """The data term of the step; a flat variant evaluates it at perturbed weights."""
         return self.nll(weights, x, y)
 
-    def step(self) -> None:
-        idx = torch.randperm(self.num_data)[:self.batch]
-        x, y = self.x[idx], self.y[idx]
+    def loss(self) -> torch.Tensor:
+        """The loss of one step: fresh noise, then a fresh minibatch (the order of Pyro's SVI step: the guide draws the
+        global weights, then the model's plate its minibatch)."""
         scales = [F.softplus(u) for u in self.raw_scales]
         noise = [torch.randn_like(m) for m in self.locs]
+        idx = torch.randperm(self.num_data)[:self.batch]
+        x, y = self.x[idx], self.y[idx]
         weights = [m + s * e for m, s, e in zip(self.locs, scales, noise, strict=True)]
         log_prior = sum(torch.distributions.Normal(0.0, 1.0).log_prob(w).sum() for w in weights)
         log_q = sum(torch.distributions.Normal(m, s).log_prob(w).sum()
                     for w, m, s in zip(weights, self.locs, scales, strict=True))
-        loss = self.likelihood_nll(weights, scales, noise, x, y) - log_prior + log_q
+        return self.likelihood_nll(weights, scales, noise, x, y) - log_prior + log_q
+
+    def step(self) -> None:
+        loss = self.loss()
         self.optim.zero_grad()
         loss.backward()
         self.optim.step()
+
+
+class TorchMAP(TorchBBB):
+    """MAP written by hand, ``AutoDelta`` + ``Trace_ELBO``'s arithmetic: the loss ``-log p(w) - N/B sum log p(y|x, w)``
+    at the weights themselves; with ``rho > 0`` SAM's step (the likelihood at ``w + rho g/|g|``, ``g`` its gradient,
+    one global norm), i.e. ``SharpnessAwareELBO`` with ``AutoDelta``."""
+
+    def __init__(self, x, y, params: list[torch.Tensor], forward: Callable, batch: int = BATCH, *,
+                 foreach: bool | None = None, rho: float = 0.0) -> None:
+        self.rho = rho
+        self.x, self.y, self.batch = x, y, batch
+        self.num_data = len(self.x)
+        self.forward = forward
+        self.locs = [p.detach().clone().requires_grad_() for p in params]
+        self.raw_scales = []
+        self.optim = torch.optim.Adam(self.parameters(), lr=LR, foreach=foreach)
+
+    def loss(self) -> torch.Tensor:
+        idx = torch.randperm(self.num_data)[:self.batch]
+        x, y = self.x[idx], self.y[idx]
+        weights = self.locs
+        if self.rho > 0:
+            leaves = [w.detach().requires_grad_() for w in weights]
+            grads = torch.autograd.grad(self.nll(leaves, x, y), leaves)
+            norm = torch.sqrt(sum((g * g).sum() for g in grads))
+            weights = [w + self.rho * g / (norm + 1e-12) for w, g in zip(weights, grads, strict=True)]
+        log_prior = sum(torch.distributions.Normal(0.0, 1.0).log_prob(w).sum() for w in self.locs)
+        return self.nll(weights, x, y) - log_prior

@@ -38,7 +38,7 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_steps import INIT_SCALE, PyroStep, TorchBBB, mlp_model, mlp_torch
+from _svi_steps import INIT_SCALE, PyroStep, TorchBBB, mlp_torch
 from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, time_block, timing_rows
 from kl_ball_elbo import RADIUS, TorchKLBall
 from pyro.infer import MCMC, JitTrace_ELBO, Trace_ELBO
@@ -75,10 +75,15 @@ class Network:
             data = load_digits(dtype=torch.float32)
             self.x, self.y, self.batch = data.x_train, data.y_train, 128
             self.describe = "MLP 64-256-256-10 on digits (N = 1257), minibatch 128"
-            self.make_model = mlp_model
-            self.torch_params, self.torch_forward = mlp_torch()
-            self.make_net = lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                                                  nn.Linear(256, 10))
+            params, self.torch_forward = mlp_torch()
+            net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+            with torch.no_grad():
+                for target, value in zip(net.parameters(), params, strict=True):
+                    target.copy_(value)
+            self.torch_params = list(net.parameters())
+            # the Pyro model starts from the hand-written network's weights (same arithmetic, same numbers)
+            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net)), 10)
+            self.make_net = lambda: copy.deepcopy(net)
         elif name == "resnet18":
             generator = torch.Generator().manual_seed(0)
             self.x = torch.randn(num_data, 3, 32, 32, generator=generator)

@@ -12,10 +12,11 @@ CPU-only CI can assert that a training step adds none:
   a non-CPU tensor (e.g. on the ``meta`` device) to the CPU;
 * operations whose output shape depends on the data, which CUDA must synchronise to allocate the output:
   ``nonzero``, boolean-mask indexing ``t[mask]``, ``masked_select``, ``unique``;
-* a tensor made from Python data for a given device: ``torch.tensor(0.3, device=x.device)``,
-  ``torch.as_tensor(...)``, ``torch.scalar_tensor(...)`` with ``device=`` (e.g. ``dist.Normal(loc, 0.3)``, which makes
-  its scale so): on an accelerator a blocking copy from host memory, which waits like a read. Counted whatever the
-  device, so that a CPU run sees what a GPU run would.
+* a tensor made from Python data for a tensor's device: ``torch.tensor(0.3, device=x.device)``,
+  ``torch.as_tensor(...)``, ``torch.scalar_tensor(...)`` with ``device=`` a ``torch.device`` or an accelerator (e.g.
+  ``dist.Normal(loc, 0.3)``, which makes its scale so): on an accelerator a blocking copy from host memory, which
+  waits like a read. Counted whatever the device, so that a CPU run sees what a GPU run would; a literal
+  ``device="cpu"`` (a tensor meant for the host, as torch's optimisers make for their step counters) is not.
 
 Not counted: torch's optimizers (``Adam``, ...) read their step counter with ``.item()``, but keep it on the host
 unless ``capturable=True``, so the read is free on a GPU.
@@ -94,6 +95,14 @@ def _reads_an_optimizer_step_counter() -> bool:
     )
 
 
+def _for_a_tensors_device(device: object) -> bool:
+    """Whether a factory's ``device=`` is an accelerator or a ``torch.device`` (taken from a tensor, e.g.
+    ``x.device``: an accelerator when the code runs on one); a literal ``"cpu"`` places the tensor on the host."""
+    if isinstance(device, torch.device):
+        return True
+    return isinstance(device, (str, int)) and str(device).split(":")[0] != "cpu"
+
+
 def _copies_to_host(args: tuple, kwargs: dict) -> bool:
     """Whether ``tensor.to(...)`` moves a tensor off an accelerator to the host, or names the host literally
     (``.to("cpu")``: a hard-coded host device, a copy on any accelerator). ``.to(device=other.device)`` is not."""
@@ -118,7 +127,7 @@ class _FunctionLevel(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _HOST_COPY_METHODS or (name == "to" and _copies_to_host(args, kwargs)):
             self.owner._add(f"host copy (.{name})")
-        elif func in _FROM_PYTHON_DATA and kwargs.get("device") is not None and args and not isinstance(
+        elif func in _FROM_PYTHON_DATA and _for_a_tensors_device(kwargs.get("device")) and args and not isinstance(
             args[0], torch.Tensor
         ):
             self.owner._add(f"host-to-device copy (torch.{name} from Python data)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -49,6 +50,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_sync_errors():
+    """CUDA's sync-debug mode at "error" for one test (an operation that synchronises with the host raises), restored
+    to what it was after the test, whatever happens in it. torch announces the mode as a prototype with a warning,
+    which this fixture silences (the suite turns warnings into errors)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype feature")
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 @pytest.fixture

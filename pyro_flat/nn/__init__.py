@@ -1,7 +1,15 @@
 """Bayesian networks as Pyro models, tools to turn torch networks Bayesian, and the CIFAR ResNets of the papers."""
 
 from .batchnorm import has_batchnorm, refresh_batchnorm
-from .bayesian import NORM_LAYERS, head_module_name, init_to_network, latent_init_values, make_bayesian
+from .bayesian import (
+    NORM_LAYERS,
+    head_module_name,
+    init_to_network,
+    is_packed,
+    latent_init_values,
+    make_bayesian,
+    pack_latents,
+)
 from .models import (
     BayesianClassifier,
     BayesianCNN,
@@ -24,8 +32,10 @@ __all__ = [
     "has_batchnorm",
     "head_module_name",
     "init_to_network",
+    "is_packed",
     "latent_init_values",
     "make_bayesian",
+    "pack_latents",
     "preresnet",
     "refresh_batchnorm",
     "replace_head",

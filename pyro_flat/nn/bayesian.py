@@ -13,6 +13,14 @@ are not random are either frozen (turned into buffers, so no Pyro optimiser touc
 Prior locations and scales live in buffers, so ``model.to(device)`` moves the prior with the network. The network's
 own initialisation is kept (a buffer per random parameter) and exposed through :func:`init_to_network`, so guides can
 start at a well-scaled point rather than at a prior draw.
+
+**Packed latents** (``packed=True``, or :func:`pack_latents` afterwards): the random parameters become *one* sample
+site ``"{name}.weights"`` of shape ``[P]`` (:math:`P` the number of random weights) with the same prior,
+:math:`\mathcal N(\mathrm{vec}(m), \mathrm{vec}(s)^2 I_P)`, and before each forward pass its value is viewed into the
+parameters (``split`` along the last dimension, then ``unflatten`` to each parameter's shape). The density is the
+per-tensor one and, for a guide that draws the same numbers, so are the loss and its gradients; but a prior or guide
+density, a guide draw, a SAM step or an optimiser update is then a handful of tensor operations instead of a handful
+per parameter tensor — on a GPU, a few kernel launches instead of thousands, and one site for Pyro to trace.
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ def make_bayesian(
     prior_scale: float = 1.0,
     prior_loc: str = "zero",
     rest: str = "frozen",
+    packed: bool = False,
 ) -> PyroModule:
     r"""Convert ``module`` **in place** into a :class:`~pyro.nn.PyroModule` whose chosen parameters are latent.
 
@@ -111,6 +120,8 @@ def make_bayesian(
     :param prior_loc: ``"zero"`` or ``"current"`` (centre the prior at the parameter's present value).
     :param rest: what happens to the other parameters: ``"frozen"`` (become buffers) or ``"learned"`` (stay
         ``nn.Parameter`` s, i.e. ``pyro.param`` sites optimised by SVI).
+    :param packed: make the random parameters one sample site ``"weights"`` (:func:`pack_latents`) instead of one
+        site per parameter tensor (default ``False``).
     :returns: the same object, now a ``PyroModule``.
 
     References:
@@ -146,7 +157,93 @@ def make_bayesian(
         raise ValueError(
             f"`random={random!r}` selected no parameter of the module: the model would have no latent site"
         )
+    if not isinstance(packed, bool):
+        raise ValueError(f"`packed` must be a bool, got {packed!r}")
+    return pack_latents(module) if packed else module
+
+
+class _PackedLatents:
+    """Where the value of a packed site goes: ``(submodule, parameter name, shape)`` per parameter, in order."""
+
+    def __init__(self, name: str, targets: list[tuple[nn.Module, str, torch.Size]]) -> None:
+        self.name = name
+        self.targets = targets
+        self.sizes = [shape.numel() for _, _, shape in targets]
+
+
+def _bind_packed(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: draw the packed site and view its value into the parameters it holds."""
+    packed: _PackedLatents = module._packed_latents
+    flat = getattr(module, packed.name)  # the sample site (PyroSample), cached for this call of the module
+    for (sub, pname, shape), chunk in zip(packed.targets, flat.split(packed.sizes, dim=-1), strict=True):
+        sub.__dict__[pname] = chunk.unflatten(-1, shape)
+
+
+def _unbind_packed(module: nn.Module, args: tuple, output: object) -> None:
+    """Forward hook (also after an exception): drop the views, so that no sampled value outlives the call."""
+    for sub, pname, _ in module._packed_latents.targets:
+        sub.__dict__.pop(pname, None)
+
+
+def pack_latents(module: PyroModule, name: str = "weights") -> PyroModule:
+    r"""Turn the per-tensor latent parameters of a network made by :func:`make_bayesian` **in place** into one sample
+    site ``name`` of shape ``[P]``, whose value is viewed into the parameters before each forward pass (see the
+    module docstring).
+
+    The prior is unchanged: :math:`\mathcal N(\mathrm{vec}(m), \mathrm{vec}(s)^2 I_P)` built from the per-parameter
+    prior locations and scales (one location and one scale buffer if they are all the same number), and the network's
+    initial values become one buffer (:func:`init_to_network` returns it for the packed site). The order of the
+    parameters in the packed vector is the module order of ``named_modules``. Pack after the network's structure is
+    final (a module replaced afterwards is not re-bound).
+
+    :param module: a ``PyroModule`` made by :func:`make_bayesian` (per-tensor latents).
+    :param name: the attribute of ``module`` that becomes the packed site (default ``"weights"``; the site is
+        ``"{module's Pyro name}.weights"``, e.g. ``"net.weights"`` in a :class:`~pyro_flat.nn.BayesianClassifier`).
+    :returns: the same object.
+    :raises ValueError: if ``module`` has no latent parameter made by :func:`make_bayesian`, is already packed, or
+        already has an attribute ``name``.
+    """
+    if not isinstance(module, PyroModule):
+        raise TypeError(f"`module` must be a PyroModule made by make_bayesian, got {type(module).__name__}")
+    if hasattr(module, "_packed_latents"):
+        raise ValueError("`module` is already packed")
+    if not isinstance(name, str) or not name.isidentifier() or hasattr(module, name):
+        raise ValueError(f"`name` must be an identifier that is not an attribute of the module, got {name!r}")
+    targets, inits, locs, scales = [], [], [], []
+    for _, sub in module.named_modules():
+        for bname, init in list(sub.named_buffers(recurse=False)):
+            if not bname.startswith(_INIT):
+                continue
+            pname = bname[len(_INIT) :]
+            loc, scale = getattr(sub, _PRIOR_LOC + pname), getattr(sub, _PRIOR_SCALE + pname)
+            targets.append((sub, pname, init.shape))
+            inits.append(init.reshape(-1))
+            locs.append(loc.expand(init.shape).reshape(-1) if loc.dim() else loc)
+            scales.append(scale.expand(init.shape).reshape(-1) if scale.dim() else scale)
+            for buffer in (_INIT, _PRIOR_LOC, _PRIOR_SCALE):
+                delattr(sub, buffer + pname)
+            delattr(sub, pname)  # the PyroSample
+    if not targets:
+        raise ValueError("`module` has no latent parameter made by make_bayesian to pack")
+    init = torch.cat(inits)
+    module.register_buffer(_INIT + name, init)
+    for prefix, parts in ((_PRIOR_LOC, locs), (_PRIOR_SCALE, scales)):
+        scalars = [p for p in parts if p.dim() == 0]
+        if len(scalars) == len(parts) and all(bool(p == parts[0]) for p in parts):  # once, at construction
+            module.register_buffer(prefix + name, parts[0].clone())
+        else:
+            module.register_buffer(prefix + name, torch.cat([p.expand(n) if p.dim() == 0 else p for p, n in zip(
+                parts, [i.numel() for i in inits], strict=True)]).to(init))
+    setattr(module, name, PyroSample(_GaussianPrior(name)))
+    module._packed_latents = _PackedLatents(name, targets)
+    module.register_forward_pre_hook(_bind_packed)
+    module.register_forward_hook(_unbind_packed, always_call=True)
     return module
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) holds its latent weights as one packed site (:func:`pack_latents`)."""
+    return any(hasattr(sub, "_packed_latents") for sub in module.modules())
 
 
 def latent_init_values(module: nn.Module) -> dict[str, torch.Tensor]:

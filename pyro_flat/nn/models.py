@@ -189,6 +189,8 @@ class BayesianMLP(BayesianClassifier):
     :param prior_scale: prior standard deviation of every weight (``N(0, s^2)``); default 1.
     :param dropout: dropout probability after each hidden layer (MC-Dropout when the model is in train mode at
         prediction time); default 0.
+    :param packed: all weights one sample site ``"net.weights"`` (:func:`~pyro_flat.nn.pack_latents`) instead of one
+        site per tensor (``"net.1.weight"``, ...); default ``False``.
     """
 
     def __init__(
@@ -199,9 +201,10 @@ class BayesianMLP(BayesianClassifier):
         *,
         prior_scale: float = 1.0,
         dropout: float = 0.0,
+        packed: bool = False,
     ) -> None:
         _check_mlp_args(in_features, hidden, dropout)
-        net = make_bayesian(_mlp(in_features, num_classes, hidden, dropout), prior_scale=prior_scale)
+        net = make_bayesian(_mlp(in_features, num_classes, hidden, dropout), prior_scale=prior_scale, packed=packed)
         super().__init__(net, num_classes)
 
 
@@ -240,6 +243,7 @@ class BayesianCNN(BayesianClassifier):
         :func:`refresh_batchnorm`), ``"group"`` (GroupNorm with 4 groups, no running statistics) or ``None``.
     :param prior_scale: prior standard deviation; default 1.
     :param dropout: dropout before the head; default 0.
+    :param packed: all weights one sample site (:func:`~pyro_flat.nn.pack_latents`); default ``False``.
     """
 
     def __init__(
@@ -251,6 +255,7 @@ class BayesianCNN(BayesianClassifier):
         norm: str | None = "batch",
         prior_scale: float = 1.0,
         dropout: float = 0.0,
+        packed: bool = False,
     ) -> None:
         input_shape = tuple(input_shape)
         if len(input_shape) not in (2, 3) or not all(isinstance(s, int) and s > 0 for s in input_shape):
@@ -276,4 +281,4 @@ class BayesianCNN(BayesianClassifier):
         if dropout > 0:
             layers.append(nn.Dropout(dropout))
         layers.append(nn.Linear(width, num_classes))
-        super().__init__(make_bayesian(nn.Sequential(*layers), prior_scale=prior_scale), num_classes)
+        super().__init__(make_bayesian(nn.Sequential(*layers), prior_scale=prior_scale, packed=packed), num_classes)

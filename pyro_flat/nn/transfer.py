@@ -33,7 +33,15 @@ import torch
 from torch import nn
 
 from .._validation import check_int
-from .bayesian import _PRIOR_LOC, _PRIOR_SCALE, NORM_LAYERS, RandomSpec, head_module_name, make_bayesian
+from .bayesian import (
+    _PRIOR_LOC,
+    _PRIOR_SCALE,
+    NORM_LAYERS,
+    RandomSpec,
+    head_module_name,
+    make_bayesian,
+    pack_latents,
+)
 from .models import BayesianClassifier
 
 __all__ = ["SWAGFrozenSampler", "bayesian_transfer", "replace_head"]
@@ -76,6 +84,7 @@ def bayesian_transfer(
     new_head: bool = True,
     rest: str = "frozen",
     copy: bool = True,
+    packed: bool = False,
 ) -> BayesianClassifier:
     r"""A Bayesian classifier for a target task from a network pretrained on a source task.
 
@@ -94,6 +103,8 @@ def bayesian_transfer(
     :param rest: ``"frozen"`` (default; the other parameters become buffers at their pretrained values) or
         ``"learned"`` (they stay ``pyro.param`` point estimates).
     :param copy: work on a deep copy of ``net`` (default) rather than converting it in place.
+    :param packed: the latent parameters as one sample site ``"net.weights"`` (:func:`~pyro_flat.nn.pack_latents`)
+        instead of one per tensor; default ``False``.
     :returns: a :class:`~pyro_flat.nn.BayesianClassifier` called as ``model(x, y=None, *, subsample_size=None,
         num_data=None)``.
 
@@ -130,6 +141,8 @@ def bayesian_transfer(
                 setattr(head_module, name, torch.zeros_like(buffer))
             elif name.startswith(_PRIOR_SCALE):
                 setattr(head_module, name, torch.full_like(buffer, float(head_prior_scale)))
+    if packed:
+        pack_latents(net)
     return BayesianClassifier(net, num_classes)
 
 

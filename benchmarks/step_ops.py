@@ -1,0 +1,290 @@
+"""Operations and host reads per training step — the CPU proxies of what a step costs on a GPU — for every objective
+and kernel, on its Bayesian network with one sample site per weight tensor and packed (``pyro_flat.nn.pack_latents``:
+one site), against a hand-written torch step doing the same arithmetic.
+
+On a GPU a step's time is set by the kernels it launches and the host reads that stall them, not by CPU arithmetic;
+both are counted here on a CPU, deterministically, with a ``TorchDispatchMode``: **ops** is every ATen operation a step
+dispatches (forward, backward, optimiser; ``launching`` leaves out views, which launch no kernel), **reads** every host
+synchronisation (:class:`pyro_flat.testing.HostSyncCounter`: scalar reads, host copies, data-dependent shapes,
+tensors made from Python data for a device; torch optimisers' host-resident step counters excluded).
+
+Pyro steps: ``TensorSVI.step`` (``pyro.optim.Adam``, ``foreach=True`` as on a GPU) with Pyro's validation off —
+MAP (``AutoDelta`` + ``TensorTrace_ELBO``), VI (``AutoNormal`` + ``TensorTrace_ELBO``), SAM (``AutoDelta`` +
+``SharpnessAwareELBO(0.05)``), F-VI (``AutoNormal`` + ``SharpnessAwareELBO(0.05)``), KL ball (``AutoNormal`` +
+``KLBallELBO(0.01)``); ``SGLD`` and ``EntropyMCMC`` kernel transitions. ``SVI.step`` makes one read more per step
+(the float it hands back). Hand-written steps (``_svi_steps.py``, ``compiled.py``; ``torch.optim.Adam``,
+``foreach=True``): MAP, SAM, Bayes by backprop, + SAM, + the KL-ball step, SGLD; each per tensor and packed (one flat
+vector viewed into the network: the same arithmetic as the packed Pyro step), the ratio taken against the cheaper of
+the two. Before counting, each Pyro step and its hand-written steps are checked to compute the same loss and
+gradients (one step from the same seed, same minibatch and noise).
+
+Run: ``python benchmarks/step_ops.py`` (MLP 64-256-256-10, batch 128, and ResNet-18 width 8, batch 16; about two
+minutes; writes ``benchmarks/results/step_ops.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyro
+import torch
+import torch.nn.functional as F
+from _report import write_markdown
+from _svi_steps import LR, TorchBBB, TorchMAP, packed_torch
+from _timing import environment
+from compiled import STEP_SIZE, Network
+from kl_ball_elbo import RADIUS, TorchKLBall
+from pyro.infer.autoguide import AutoDelta, AutoNormal
+from sharpness_aware_elbo import RHO, TorchBBBSAM
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pyro_flat.infer import KLBallELBO, SharpnessAwareELBO, TensorSVI, TensorTrace_ELBO
+from pyro_flat.infer.mcmc import SGLD, EntropyMCMC
+from pyro_flat.nn import init_to_network, pack_latents
+from pyro_flat.testing import HostSyncCounter
+
+ETA = 1e-3
+GOALS = {"KL ball": 2.0}  # the ops-per-step goal against the hand-written step; 1.5 for the others
+DEFAULT_GOAL = 1.5
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operations dispatched inside it (``ops``) and those that are not views (``launching``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.launching = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.launching += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class Count:
+    ops: float
+    launching: float
+    reads: float
+
+
+def count(step: Callable[[], object], steps: int = 2) -> Count:
+    """Operations and host reads per call of ``step`` (after one warm-up call)."""
+    step()
+    with OpCounter() as ops:
+        for _ in range(steps):
+            step()
+    with HostSyncCounter(depth=0) as reads:
+        for _ in range(steps):
+            step()
+    return Count(ops.ops / steps, ops.launching / steps, reads.count / steps)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the steps
+
+
+def pyro_model(network: Network, packed: bool):
+    model = network.make_model()
+    if packed:
+        pack_latents(model.net)
+    return model
+
+
+class PyroSVI:
+    """One ``TensorSVI`` step (it clears Pyro's parameter store: one Pyro step at a time)."""
+
+    def __init__(self, network: Network, loss, guide_class: type, packed: bool) -> None:
+        self.network = network
+        self.store = pyro.get_param_store()
+        self.store.clear()
+        model = pyro_model(network, packed)
+        options = {} if guide_class is AutoDelta else {"init_scale": 1e-3}
+        guide = guide_class(model, init_loc_fn=init_to_network(model), **options)
+        self.model, self.guide, self.loss = model, guide, loss
+        self.svi = TensorSVI(model, guide, pyro.optim.Adam({"lr": LR, "foreach": True}), loss)
+        guide(network.x, network.y, subsample_size=network.batch)
+
+    def __call__(self) -> torch.Tensor:
+        return self.svi.step(self.network.x, self.network.y, subsample_size=self.network.batch)
+
+    def loss_and_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The loss of one step and its gradients, in the order of the hand-written step's parameters (the parameter
+        store holds this step's parameters only: measure one step at a time)."""
+        loss = self.loss.differentiable_loss(self.model, self.guide, self.network.x, self.network.y,
+                                             subsample_size=self.network.batch)
+        names = [n for n in self.store.keys() if n.split(".")[1] == "locs"] + \
+                [n for n in self.store.keys() if n.split(".")[1] == "scales"]
+        if isinstance(self.guide, AutoDelta):
+            names = list(self.store.keys())
+        grads = torch.autograd.grad(loss, [self.store._params[n] for n in names])
+        return loss.detach(), list(grads)
+
+
+class KernelStep:
+    """One transition of an SG-MCMC kernel (its ``sample`` on its own output)."""
+
+    def __init__(self, network: Network, kernel: type, packed: bool, **options: object) -> None:
+        model = pyro_model(network, packed)
+        self.kernel = kernel(model, step_size=STEP_SIZE, init_strategy=init_to_network(model),
+                             divergence_check_every=10**9, **options)
+        self.kernel.setup(0, network.x, network.y, subsample_size=network.batch)
+        self.params = self.kernel.initial_params
+
+    def __call__(self) -> None:
+        self.params = self.kernel.sample(self.params)
+
+
+class TorchSGLDStep:
+    """Hand-written SGLD on a list of weight tensors (per tensor or one packed vector): ``F.cross_entropy(sum) * N/B +
+    |w|^2 / 2`` (the N(0, 1) prior), autograd, Langevin update."""
+
+    def __init__(self, network: Network, params: list[torch.Tensor], forward: Callable) -> None:
+        self.network, self.forward = network, forward
+        self.params = [p.detach().clone() for p in params]
+        self.noise_scale = (2 * STEP_SIZE) ** 0.5
+
+    def __call__(self) -> None:
+        x, y, batch = self.network.x, self.network.y, self.network.batch
+        idx = torch.randperm(len(x))[:batch]
+        leaves = [p.requires_grad_() for p in self.params]
+        loss = F.cross_entropy(self.forward(leaves, x[idx]), y[idx], reduction="sum") * (len(x) / batch)
+        loss = loss + 0.5 * sum((p * p).sum() for p in leaves)
+        grads = torch.autograd.grad(loss, leaves)
+        with torch.no_grad():
+            self.params = [p - STEP_SIZE * g + self.noise_scale * torch.randn_like(p)
+                           for p, g in zip(leaves, grads, strict=True)]
+
+
+def torch_step(network: Network, cls: type, packed: bool, **options: object) -> TorchBBB:
+    params, forward = network.torch_params, network.torch_forward
+    if packed:
+        params, forward = packed_torch(params, forward)
+    return cls(network.x, network.y, params, forward, network.batch, foreach=True, **options)
+
+
+def torch_sgld(network: Network, packed: bool) -> TorchSGLDStep:
+    params, forward = network.torch_params, network.torch_forward
+    if packed:
+        params, forward = packed_torch(params, forward)
+    return TorchSGLDStep(network, params, forward)
+
+
+METHODS: dict[str, tuple] = {
+    # name: (Pyro step factory (network, packed), hand-written class and options)
+    "MAP": (lambda n, p: PyroSVI(n, TensorTrace_ELBO(), AutoDelta, p), TorchMAP, {}),
+    "VI": (lambda n, p: PyroSVI(n, TensorTrace_ELBO(), AutoNormal, p), TorchBBB, {}),
+    "SAM": (lambda n, p: PyroSVI(n, SharpnessAwareELBO(RHO), AutoDelta, p), TorchMAP, {"rho": RHO}),
+    "F-VI": (lambda n, p: PyroSVI(n, SharpnessAwareELBO(RHO), AutoNormal, p), TorchBBBSAM, {}),
+    "KL ball": (lambda n, p: PyroSVI(n, KLBallELBO(RADIUS), AutoNormal, p), TorchKLBall, {}),
+    "SGLD": (lambda n, p: KernelStep(n, SGLD, p), "sgld", {}),
+    "Entropy-MCMC": (lambda n, p: KernelStep(n, EntropyMCMC, p, eta=ETA), None, {}),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the same arithmetic
+
+
+def check_same_step(pyro_step: PyroSVI, torch_step_: TorchBBB, seed: int = 11) -> float:
+    """The largest relative difference between the loss and gradients of one Pyro step and one hand-written step
+    from the same seed (same minibatch, same noise)."""
+    pyro.set_rng_seed(seed)
+    loss, grads = pyro_step.loss_and_grads()
+    pyro.set_rng_seed(seed)
+    torch_loss = torch_step_.loss()
+    torch_grads = torch.autograd.grad(torch_loss, torch_step_.parameters())
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch_flat = torch.cat([g.reshape(-1) for g in torch_grads])
+    return max(((loss - torch_loss).abs() / torch_loss.abs()).item(),
+               ((flat - torch_flat).norm() / torch_flat.norm()).item())
+
+
+def measure(network: Network, methods: list[str], steps: int = 2) -> list[dict]:
+    rows = []
+    for name in methods:
+        make_pyro, torch_cls, options = METHODS[name]
+        row = {"method": name}
+        for packed in (False, True):
+            key = "packed" if packed else "per tensor"
+            step = make_pyro(network, packed)
+            hand = None
+            if torch_cls == "sgld":
+                hand = torch_sgld(network, packed)
+            elif torch_cls is not None:
+                hand = torch_step(network, torch_cls, packed, **options)
+                row[f"check {key}"] = check_same_step(step, hand)  # from the same start, before any step
+            row[f"pyro {key}"] = count(step, steps)
+            if isinstance(step, PyroSVI):
+                row[f"svi reads {key}"] = count(lambda s=step: _float_step(s), 1).reads
+            if hand is not None:
+                row[f"torch {key}"] = count(getattr(hand, "step", hand), steps)
+        rows.append(row)
+    return rows
+
+
+def _float_step(step: PyroSVI) -> float:
+    """``SVI.step``: the same step handing back a float (one host read)."""
+    return float(step())
+
+
+def ratio(row: dict) -> float | None:
+    """Packed Pyro ops per step / the cheaper hand-written step's."""
+    torch_counts = [row[k].ops for k in ("torch per tensor", "torch packed") if k in row]
+    return row["pyro packed"].ops / min(torch_counts) if torch_counts else None
+
+
+def table(network: Network, rows: list[dict]) -> list[str]:
+    lines = [
+        f"## {network.describe}",
+        "",
+        "| step | Pyro per tensor: ops (launching) | Pyro packed: ops (launching) | torch per tensor | torch packed | "
+        "packed / torch | goal | host reads: TensorSVI / SVI | same loss and gradients (max rel. diff.) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        r = ratio(row)
+        goal = GOALS.get(row["method"], DEFAULT_GOAL)
+
+        def fmt(key: str, row: dict = row) -> str:
+            c = row.get(key)
+            return "–" if c is None else f"{c.ops:.0f} ({c.launching:.0f})"
+
+        reads = f"{row['pyro packed'].reads:.0f}" + (f" / {row['svi reads packed']:.0f}" if "svi reads packed" in row
+                                                     else " (kernel)")
+        checks = [row[k] for k in ("check per tensor", "check packed") if k in row]
+        lines.append(
+            f"| {row['method']} | {fmt('pyro per tensor')} | {fmt('pyro packed')} | {fmt('torch per tensor')} | "
+            f"{fmt('torch packed')} | {'–' if r is None else f'{r:.2f}'} | "
+            f"{'–' if r is None else f'≤ {goal}'} | {reads} | "
+            f"{', '.join(f'{c:.1e}' for c in checks) or '–'} |"
+        )
+    return [*lines, ""]
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--networks", nargs="+", default=["mlp", "resnet18"], choices=["mlp", "resnet18"])
+    parser.add_argument("--width", type=int, default=8, help="ResNet-18's first-stage width (default 8)")
+    parser.add_argument("--batch", type=int, default=16, help="ResNet-18's minibatch (default 16)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "step_ops.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    pyro.enable_validation(False)  # Pyro's checks and torch.distributions' argument checks, on both sides
+    pyro.set_rng_seed(0)
+    lines = ["# Operations and host reads per step", "", __doc__.split("\n\n")[1].replace("\n", " "), "",
+             environment(), ""]
+    for name in args.networks:
+        network = Network(name, width=args.width, num_data=256, batch=args.batch)
+        lines += table(network, measure(network, args.methods))
+    return write_markdown(lines, args.out, __file__, argv)
+
+
+if __name__ == "__main__":
+    main()
+
