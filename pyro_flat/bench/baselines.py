@@ -4,6 +4,9 @@ r"""The non-flat baselines, built on plain Pyro, that every flat method is compa
   decay).
 * ``vi``: mean-field variational inference (Bayes by backprop [1]), :class:`~pyro.infer.autoguide.AutoNormal` +
   ``Trace_ELBO``.
+
+``Trace_ELBO`` here is :class:`~pyro_flat.infer.TensorTrace_ELBO` (its values and gradients, without a host read per
+site).
 * ``mc_dropout``: MAP of a network with dropout, predicted with dropout active (MC-Dropout [2]).
 * ``ensemble``: ``ensemble_size`` MAP fits from independent initialisations, averaged (deep ensembles [3]).
 
@@ -20,9 +23,9 @@ References:
 from __future__ import annotations
 
 import pyro
-from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 
+from ..infer import TensorTrace_ELBO
 from ..nn import BayesianClassifier, init_to_network
 from .problem import Posterior, Problem, run_svi
 from .registry import register_method
@@ -37,7 +40,7 @@ def fit_map_point(problem: Problem, model: BayesianClassifier, loss: pyro.infer.
     return {"point": point, "history": history}
 
 
-@register_method("map", description="MAP: AutoDelta + Trace_ELBO (prior = weight decay)")
+@register_method("map", description="MAP: AutoDelta + TensorTrace_ELBO (prior = weight decay)")
 def fit_map(problem: Problem) -> Posterior:
     model = problem.build_model()
     fit = fit_map_point(problem, model)
@@ -45,15 +48,15 @@ def fit_map(problem: Problem) -> Posterior:
 
 
 def fit_mean_field(problem: Problem, model: BayesianClassifier, loss: pyro.infer.ELBO | None = None) -> Posterior:
-    """Mean-field Gaussian VI of ``model`` with ``AutoNormal`` and ``loss`` (default ``Trace_ELBO``)."""
+    """Mean-field Gaussian VI of ``model`` with ``AutoNormal`` and ``loss`` (default ``TensorTrace_ELBO``)."""
     guide = AutoNormal(model, init_loc_fn=init_to_network(model), init_scale=problem.config.vi_init_scale)
     history = run_svi(problem, model, guide, loss)
     return Posterior.from_guide(model, guide, problem.config.num_bma_samples, info={"losses": history})
 
 
-@register_method("vi", description="mean-field VI (Bayes by backprop): AutoNormal + Trace_ELBO")
+@register_method("vi", description="mean-field VI (Bayes by backprop): AutoNormal + TensorTrace_ELBO")
 def fit_vi(problem: Problem) -> Posterior:
-    return fit_mean_field(problem, problem.build_model(), Trace_ELBO())
+    return fit_mean_field(problem, problem.build_model(), TensorTrace_ELBO())
 
 
 @register_method("mc_dropout", description="MC-Dropout: MAP with dropout, dropout kept on at test time")

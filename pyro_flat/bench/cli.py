@@ -108,6 +108,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", choices=["float32", "bf16"], default=None,
                        help="bf16: the network's forward pass under autocast (the objectives' algebra stays float32)")
     group.add_argument("--channels-last", action="store_true", help="channels-last memory format (GPUs)")
+    group.add_argument("--per-tensor-sites", action="store_true",
+                       help="one sample site per weight tensor (default: all latent weights packed in one site)")
     group.add_argument("--num-workers", type=int, default=None, help="DataLoader workers for augmented images")
     group.add_argument("--compile", action="store_true", default=None,
                        help="compiled flat objectives and kernels (JitSharpnessAwareELBO, JitKLBallELBO, "
@@ -162,6 +164,8 @@ def config_changes(args: argparse.Namespace) -> dict[str, object]:
         changes["augment"] = False
     if args.channels_last:
         changes["channels_last"] = True
+    if args.per_tensor_sites:
+        changes["packed"] = False
     return changes
 
 

@@ -52,6 +52,9 @@ class RunConfig:
     :param precision: ``"float32"`` or ``"bf16"`` (the network's forward pass under ``torch.autocast``; the
         objectives' algebra stays in ``dtype``).
     :param channels_last: channels-last memory format for the network and its image inputs.
+    :param packed: every latent weight of the network in one sample site, viewed into the parameters
+        (:func:`~pyro_flat.nn.pack_latents`; default): a step is a few tensor operations per site instead of a few per
+        weight tensor, the same posterior and objectives; ``False`` gives one site per weight tensor.
     :param compile: train the flat objectives and SG-MCMC kernels through their compiled paths
         (``JitSharpnessAwareELBO``, ``JitKLBallELBO``, ``jit_compile=True``); pays off only when a run's steps save
         more than its compilations cost (``docs/speed.md``).
@@ -87,6 +90,7 @@ class RunConfig:
     num_workers: int = 0
     precision: str = "float32"
     channels_last: bool = False
+    packed: bool = True
     compile: bool = False
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch import Tensor, nn
 
-from ..infer import AutoLowRankPlusDiagonalNormal, JitKLBallELBO, KLBallELBO
+from ..infer import AutoLowRankPlusDiagonalNormal, JitKLBallELBO, KLBallELBO, TensorTrace_ELBO
 from ..infer.autoguide import SWAGCollector
 from ..infer.predict import guide_draws
 from ..nn import init_to_network
@@ -53,7 +52,7 @@ def _low_rank_fit(problem: Problem, method: str, loss_factory: type | None, dire
     )
     info = {"rank": rank}
     if loss_factory is None:
-        loss = Trace_ELBO()
+        loss = TensorTrace_ELBO()
     else:
         info["radius"] = problem.option(method, "radius", DEFAULT_RADIUS[direction])
         info["kl_weight"] = problem.option(method, "kl_weight", 1.0)
@@ -88,7 +87,7 @@ def _frozen_sampler(problem: Problem, method: str, model: nn.Module) -> SWAGFroz
 
 @register_method(
     "vi_low_rank",
-    description="VI with the low-rank-plus-diagonal guide (AutoLowRankPlusDiagonalNormal + Trace_ELBO)",
+    description="VI with the low-rank-plus-diagonal guide (AutoLowRankPlusDiagonalNormal + TensorTrace_ELBO)",
     options=("rank", "backbone_swag", "backbone_scale"),
 )
 def fit_vi_low_rank(problem: Problem) -> Posterior:

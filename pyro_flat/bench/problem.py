@@ -11,13 +11,13 @@ import pyro
 import pyro.optim
 import torch
 import torch.distributed as dist
-from pyro.infer import SVI, Trace_ELBO
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data import ClassificationData
 from ..data.images import VisionData
 from ..distributed import ddp_elbo
+from ..infer import TensorSVI, TensorTrace_ELBO
 from ..infer.predict import guide_draws, sample_draws
 from ..nn import BayesianClassifier
 from .config import RunConfig
@@ -270,7 +270,7 @@ def run_svi(
     it is Pyro's ``ELBOModule`` in ``DistributedDataParallel`` (:func:`~pyro_flat.distributed.ddp_elbo`) with the same
     torch optimizer, each rank on its shard.
 
-    :param loss: the ELBO (default ``Trace_ELBO()``; the flat ones with ``distributed=True`` when data-parallel).
+    :param loss: the ELBO (default ``TensorTrace_ELBO()``; the flat ones with ``distributed=True`` when data-parallel).
     :param optim: the optimizer (default ``problem.optim_spec()``); a schedule is stepped after every step.
     :param callback: called as ``callback(step)`` after every step (e.g. to collect SWAG iterates).
     :param log_every: keep every ``log_every``-th loss value.
@@ -278,14 +278,14 @@ def run_svi(
     :returns: the kept loss values.
     :raises FloatingPointError: if the loss becomes NaN or infinite, naming the step.
     """
-    loss = Trace_ELBO() if loss is None else loss
+    loss = TensorTrace_ELBO() if loss is None else loss
     spec = problem.optim_spec(num_steps) if optim is None else optim
     num_steps = problem.num_steps if num_steps is None else num_steps
     extra = dict(state or {})
     model.train()
     if not problem.distributed:
         optimizer = spec.pyro()
-        svi = SVI(model, guide, optimizer, loss)
+        svi = TensorSVI(model, guide, optimizer, loss)  # the loss stays on the device: read every log_every steps
         loop = problem.loop(num_steps, {"model": model, "guide": guide, "optim": optimizer, **extra}, prepare=guide,
                             log_every=log_every, name="svi")
         for step, (args, kwargs) in loop:

@@ -113,13 +113,14 @@ def build_mlp(data: ClassificationData, config: RunConfig, *, dropout: float) ->
     in_features = 1
     for s in data.input_shape:
         in_features *= s
-    return BayesianMLP(in_features, data.num_classes, config.hidden, prior_scale=config.prior_scale, dropout=dropout)
+    return BayesianMLP(in_features, data.num_classes, config.hidden, prior_scale=config.prior_scale, dropout=dropout,
+                       packed=config.packed)
 
 
 def build_cnn(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianCNN:
     """A :class:`~pyro_flat.nn.BayesianCNN` for ``data`` (``config.hidden`` gives the conv channels)."""
     return BayesianCNN(tuple(data.input_shape), data.num_classes, config.hidden, prior_scale=config.prior_scale,
-                       dropout=dropout)
+                       dropout=dropout, packed=config.packed)
 
 
 def _image_channels(data: ClassificationData) -> int:
@@ -133,7 +134,7 @@ def _bayesian(net: nn.Module, data: ClassificationData, config: RunConfig) -> Ba
     if _sync_batchnorm():
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     return BayesianClassifier(make_bayesian(net, random=config.latent, prior_scale=config.prior_scale,
-                                            rest="learned"), data.num_classes)
+                                            rest="learned", packed=config.packed), data.num_classes)
 
 
 def _sync_batchnorm() -> bool:
@@ -183,7 +184,7 @@ def build_resnet18_imagenet(data: ClassificationData, config: RunConfig, *, drop
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     rest = "frozen" if config.pretrained is not None else "learned"
     return bayesian_transfer(net, data.num_classes, random=config.latent, prior_scale=config.prior_scale,
-                             rest=rest, copy=False)
+                             rest=rest, copy=False, packed=config.packed)
 
 
 MODELS: dict[str, Callable[..., BayesianClassifier]] = {

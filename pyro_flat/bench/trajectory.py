@@ -4,7 +4,7 @@ Every method starts at the network's own initialisation (:func:`~pyro_flat.nn.in
 random minibatch of ``batch_size`` points per step (``problem.num_steps`` steps), like the ``map`` baseline.
 
 * ``sam_torch`` — MAP by :class:`~pyro_flat.optim.SAM` around ``torch.optim.Adam`` (lr = ``config.lr``,
-  :math:`\rho` = 0.05) on the parameters of an ``AutoDelta`` guide; the closure is ``Trace_ELBO`` / N on one
+  :math:`\rho` = 0.05) on the parameters of an ``AutoDelta`` guide; the closure is ``TensorTrace_ELBO`` / N on one
   minibatch (the prior acts as weight decay). Baseline ``map``.
 * ``swa``, ``swag``, ``swag_diag`` — SWAG collected once per epoch after ``swa_start`` (default half the epochs) from
   the Adam MAP iterates; :math:`K=\min(20, \text{collected})`; SWA is the mean (one point), SWAG samples at scale 0.5,
@@ -51,14 +51,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 from torch import Tensor
 
+from ..infer import TensorTrace_ELBO
 from ..infer.autoguide import SWAGCollector
 from ..infer.averaging import HWA, CyclicalLR
 from ..metrics import model_loss_fn
-from ..nn import BayesianClassifier, init_to_network
+from ..nn import BayesianClassifier, init_to_network, unpacked_sites
 from ..optim import SAM, BayesianSAM
 from .loop import atomic_save
 from .problem import LossModule, OptimSpec, Posterior, Problem, run_svi
@@ -133,7 +133,7 @@ def _map_loss(
 ) -> Callable[[Tensor, Tensor, int], Callable[[], Tensor]]:
     """(x, y, N) -> a function computing the negative log joint per datum, -log p(y_B, theta) / N, on the minibatch
     (through DistributedDataParallel when data-parallel)."""
-    module = problem.data_parallel(Trace_ELBO()(model, guide))
+    module = problem.data_parallel(TensorTrace_ELBO()(model, guide))
     return lambda x, y, n: lambda: module(x, y, num_data=n) / n
 
 
@@ -178,7 +178,12 @@ def _swag_posterior(problem: Problem, method: str, model: BayesianClassifier, co
     path = problem.option(method, "save_swag", None)
     if path is not None and problem.rank == 0:  # e.g. the source posterior of a transfer's frozen layers
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_save(collector.state_dict(), Path(path))
+        state = collector.state_dict()
+        for packed, tensors in unpacked_sites(model).items():  # saved per weight tensor, as a transfer reads it
+            if list(state["sites"]) == [packed]:
+                state["sites"] = {name: tuple(shape) for name, shape in tensors.items()}
+                state["supports"] = {}
+        atomic_save(state, Path(path))
     if kind == "swa":
         return Posterior.from_points(model, [collector.mean()], info=info)
     diagonal = kind == "swag_diag"

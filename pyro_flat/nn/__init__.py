@@ -9,6 +9,7 @@ from .bayesian import (
     latent_init_values,
     make_bayesian,
     pack_latents,
+    unpacked_sites,
 )
 from .models import (
     BayesianClassifier,
@@ -40,5 +41,6 @@ __all__ = [
     "refresh_batchnorm",
     "replace_head",
     "resnet18",
+    "unpacked_sites",
     "wide_resnet",
 ]

@@ -169,12 +169,16 @@ class _PackedLatents:
         self.name = name
         self.targets = targets
         self.sizes = [shape.numel() for _, _, shape in targets]
+        self.size = sum(self.sizes)
 
 
 def _bind_packed(module: nn.Module, args: tuple) -> None:
     """Forward pre-hook: draw the packed site and view its value into the parameters it holds."""
     packed: _PackedLatents = module._packed_latents
     flat = getattr(module, packed.name)  # the sample site (PyroSample), cached for this call of the module
+    if flat.dim() == 0 or flat.shape[-1] != packed.size:
+        raise ValueError(f"the packed site {packed.name!r} needs values of shape [..., {packed.size}] (one entry per "
+                         f"latent weight), got shape {tuple(flat.shape)}")
     for (sub, pname, shape), chunk in zip(packed.targets, flat.split(packed.sizes, dim=-1), strict=True):
         sub.__dict__[pname] = chunk.unflatten(-1, shape)
 
@@ -239,6 +243,25 @@ def pack_latents(module: PyroModule, name: str = "weights") -> PyroModule:
     module.register_forward_pre_hook(_bind_packed)
     module.register_forward_hook(_unbind_packed, always_call=True)
     return module
+
+
+def unpacked_sites(module: nn.Module) -> dict[str, dict[str, torch.Size]]:
+    """For each packed site of ``module`` (:func:`pack_latents`), the per-tensor sites it holds, in its order:
+    ``{packed site: {per-tensor site name: shape}}`` (the names ``make_bayesian`` gives without packing, e.g.
+    ``"net.0.weight"``). A value of the packed site is the concatenation of the flattened per-tensor values, so this
+    relabels anything indexed by it (a SWAG collector's moments, a guide's location) per tensor."""
+    out = {}
+    for sub in module.modules():
+        packed = getattr(sub, "_packed_latents", None)
+        if packed is None:
+            continue
+        paths = {id(m): name for name, m in sub.named_modules()}
+        prefix = getattr(sub, "_pyro_name", "")
+        out[".".join(p for p in (prefix, packed.name) if p)] = {
+            ".".join(p for p in (prefix, paths[id(target)], pname) if p): shape
+            for target, pname, shape in packed.targets
+        }
+    return out
 
 
 def is_packed(module: nn.Module) -> bool:
