@@ -24,7 +24,7 @@ from pyro_flat.bench.runner import run_one
 from pyro_flat.data import VisionData, write_synthetic_cifar
 from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, KLBallELBO, SharpnessAwareELBO
 from pyro_flat.infer.util import latent_sites
-from pyro_flat.nn import init_to_network
+from pyro_flat.nn import init_to_network, unpacked_sites
 
 pytest.importorskip("torchvision")
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,15 +56,15 @@ def test_the_resnets_are_harness_models_with_a_choice_of_latent_weights(cifar, m
     from pyro import poutine
 
     trace = poutine.trace(net).get_trace(data.x_train[:4].float(), data.y_train[:4])
-    latents = {k for k in latent_sites(trace) if k != "obs"}
+    assert {k for k in latent_sites(trace) if k != "obs"} == {"net.weights"}  # the harness packs the latent weights
+    latents = unpacked_sites(net)["net.weights"]  # the weight tensors in the packed site: {name: shape}
     learned = {name for name, _ in net.named_parameters()}
     assert not any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
     if latent == "all":
         assert not learned
     else:  # the other weights are learned point estimates (trained by SVI with the latents)
         assert learned and all(name.startswith("net.") for name in learned)
-        heads = {k for k in latents if ".weight" in k and trace.nodes[k]["value"].shape[0] == 10
-                 and trace.nodes[k]["value"].dim() == 2}
+        heads = {k for k, shape in latents.items() if ".weight" in k and shape[0] == 10 and len(shape) == 2}
         assert len(heads) == 1
         if latent == "head":
             assert len(latents) == 2  # weight and bias of the head
