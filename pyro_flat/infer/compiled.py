@@ -435,6 +435,7 @@ class CapturedFunction:
         self.capture_seconds = capture_seconds
         self.devices: set[str] = set()  # the device types of the inputs
         self.compile_seconds: float | None = None
+        self.cuda_graphs = False  # whether the compiled step replays CUDA graphs
         self._run: Callable = graph
         self._compiling = False
 
@@ -446,13 +447,19 @@ class CapturedFunction:
         """Evaluate through ``torch.compile(graph, fullgraph=True, dynamic=False, **options)`` from now on; the
         compilation happens at the next call, whose wall time is kept in :attr:`compile_seconds`.
 
-        On CPU, TorchInductor's layout optimisation (channels-last convolutions) is off unless ``options`` set
-        inductor options: the weights of a Bayesian network are new tensors at every step, and converting them costs
-        more than it saves (ResNet-18, ``docs/speed.md``)."""
+        Defaults by device, unless ``options`` set a ``mode`` or inductor ``options``: on CUDA,
+        ``mode="reduce-overhead"``, so that a step replays a CUDA graph (one launch for the step's kernels; the
+        outputs are then copied out of the graph's memory, which the next replay reuses); on CPU, TorchInductor's
+        layout optimisation (channels-last convolutions) is off: the weights of a Bayesian network are new tensors at
+        every step, and converting them costs more than it saves (ResNet-18, ``docs/speed.md``)."""
         options = {"fullgraph": True, "dynamic": False, **options}
         inductor = options.get("backend", "inductor") == "inductor"
-        if self.devices == {"cpu"} and inductor and "options" not in options and "mode" not in options:
+        default = inductor and "options" not in options and "mode" not in options
+        if default and self.devices == {"cuda"}:
+            options["mode"] = "reduce-overhead"
+        elif default and self.devices == {"cpu"}:
             options["options"] = {"layout_optimization": False}
+        self.cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
         self._run = torch.compile(self.graph, **options)
         self._compiling = True
 
@@ -465,10 +472,13 @@ class CapturedFunction:
         """Evaluate the graph as it is (e.g. after a compilation failure)."""
         self._run = self.graph
         self._compiling = False
+        self.cuda_graphs = False
         self.compile_seconds = None
 
     def __call__(self, inputs: Sequence[Tensor], noise: Sequence[Tensor] | None = None) -> Any:
         noise = self.draw() if noise is None else noise
+        if self.cuda_graphs:  # a new step: the previous replay's outputs were copied out (below)
+            torch.compiler.cudagraph_mark_step_begin()
         if self._compiling:
             start = time.perf_counter()
             flat = self._run(*inputs, *noise)
@@ -476,6 +486,8 @@ class CapturedFunction:
             self._compiling = False
         else:
             flat = self._run(*inputs, *noise)
+        if self.cuda_graphs:  # the graph's output memory is overwritten by its next replay: the caller keeps copies
+            flat = [t.clone() if isinstance(t, Tensor) else t for t in flat]
         return pytree.tree_unflatten(list(flat), self.out_spec)
 
 
@@ -689,11 +701,17 @@ class CompiledCalls:
             return entry(inputs())
         except Exception as error:  # noqa: BLE001 (torch.compile failed; the captured graph is still exact)
             entry.uncompile()
-            self.fallback(f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0]}); the captured "
-                          "graph runs uncompiled", eager=False)
+            self.fallback(f"torch.compile failed; the captured graph runs uncompiled. The error:\n{_whole(error)}",
+                          eager=False)
             _set_random_state(state, devices)
             return entry(inputs())
 
     def captures(self) -> list[CapturedFunction]:
         """The captured functions so far (for their timings)."""
         return [e for e in self.entries.values() if isinstance(e, CapturedFunction)]
+
+
+def _whole(error: BaseException) -> str:
+    """The whole error: every line of its message and of the errors it was raised from (torch.compile's first line,
+    ``BackendCompilerFailed: backend='inductor' raised:``, says nothing by itself), with the innermost traceback."""
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-3)).rstrip()

@@ -450,7 +450,10 @@ def test_compile_failure_keeps_the_captured_graph(monkeypatch):
 
     def broken(graph, **options):
         def run(*args):
-            raise RuntimeError("no compiler here")
+            try:
+                raise ValueError("the compiler's own error\nwith its second line")
+            except ValueError as inner:
+                raise RuntimeError("BackendCompilerFailed: backend='inductor' raised:") from inner
         return run
 
     monkeypatch.setattr(torch, "compile", broken)
@@ -460,12 +463,56 @@ def test_compile_failure_keeps_the_captured_graph(monkeypatch):
     torch.manual_seed(5)
     expected, expected_next = step(), torch.rand(())
     torch.manual_seed(5)
-    with pytest.warns(CompilationFallbackWarning, match="is not compiled: torch.compile failed .*no compiler here"):
+    with pytest.warns(CompilationFallbackWarning, match="is not compiled: torch.compile failed") as caught:
         out = calls("key", step, lambda: [w])
+    message = str(caught[0].message)  # the whole error, not its first line: the cause and every line of it
+    assert "backend='inductor' raised:" in message and "the compiler's own error\nwith its second line" in message
     # the failed attempt's draws are not spent: the step has the eager numbers and the stream continues as after it
     torch.testing.assert_close(out, expected)
     assert torch.equal(torch.rand(()), expected_next)
     assert not calls.captures()[0].compiling
+
+
+def test_cuda_steps_replay_a_cuda_graph_and_hand_back_their_own_outputs(monkeypatch):
+    # on CUDA the default is torch.compile(mode="reduce-overhead"); each step marks a new CUDA-graph step and copies
+    # its outputs out of the graph's memory (the next replay overwrites it). Checked on the CPU with a stand-in compiler
+    w = torch.tensor([1.0, 2.0])
+    _, captured = capture(lambda: w * 3 + torch.randn(2), lambda: [w])
+    seen, marks, memory = [], [], torch.zeros(2)
+
+    def graph_replay(graph, **options):
+        seen.append(options)
+
+        def run(*args):  # like a CUDA graph: the output lives in memory that the next replay reuses
+            memory.copy_(graph(*args)[0])
+            return [memory]
+        return run
+
+    monkeypatch.setattr(torch, "compile", graph_replay)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    captured.devices = {"cuda"}
+    captured.compile({"backend": "inductor"})
+    assert seen[-1]["mode"] == "reduce-overhead" and captured.cuda_graphs
+    first = captured([w])
+    kept = first.clone()
+    second = captured([w])
+    torch.testing.assert_close(first, kept)  # not overwritten by the second replay
+    assert len(marks) == 2 and not torch.equal(first, second)
+    captured.compile({"backend": "inductor", "mode": "max-autotune-no-cudagraphs"})  # the user's mode wins
+    assert seen[-1]["mode"] == "max-autotune-no-cudagraphs" and not captured.cuda_graphs
+    captured.devices = {"cpu"}
+    captured.compile({"backend": "inductor"})
+    assert "mode" not in seen[-1] and seen[-1]["options"] == {"layout_optimization": False}
+
+
+@pytest.mark.cuda
+def test_compiled_steps_on_cuda_replay_cuda_graphs():
+    x, y = (t.cuda() for t in _data((5,)))
+    got = _svi(lambda: _mlp().cuda(), JitSharpnessAwareELBO(0.05), x, y, subsample_size=8)
+    assert got["loss"].captures()[0].cuda_graphs
+    from torch._dynamo.utils import counters
+
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
 
 
 # ----------------------------------------------------------------------------------------- JitTrace_ELBO, options
