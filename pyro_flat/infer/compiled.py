@@ -346,9 +346,15 @@ class _TraceStep(TorchDispatchMode):
         self.saved[id(base)] = (base, base.detach().clone())
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for base, copy in self.saved.values():
-                base.copy_(copy)
+        for base, copy in self.saved.values():
+            _restore(base, copy)
+
+
+def _restore(tensor: Tensor, value: Tensor) -> None:
+    """Write ``value`` back into ``tensor`` (a BatchNorm statistic the traced or replayed run updated) without
+    bumping its version counter: the eager step's autograd graph saved the tensor (BatchNorm's backward keeps its
+    running statistics) and must stay valid for its backward pass; the values are the eager step's own."""
+    tensor.data.copy_(value)
 
 
 class _HostCopies(TorchFunctionMode):
@@ -574,9 +580,8 @@ def _trace(fn: Callable[[], Any], inputs: list[Tensor], record: _RecordDraws, ou
         with torch.no_grad():
             replayed = captured(inputs, [v.clone() for v in record.values])
     finally:
-        with torch.no_grad():
-            for t, c in zip(mutated, copies, strict=True):
-                t.copy_(c)
+        for t, c in zip(mutated, copies, strict=True):
+            _restore(t, c)
     if not _same(outputs, replayed):
         raise CaptureError("the captured graph does not reproduce the eager step (the program is not a pure function "
                            "of its tensor inputs)")

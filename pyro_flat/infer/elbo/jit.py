@@ -33,8 +33,9 @@ from torch import Tensor
 from ..compiled import CompiledCalls, module_key, options_key, tensor_key
 from .kl_ball import KLBallELBO
 from .sharpness_aware import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
+from .trace_elbo import TensorTrace_ELBO
 
-__all__ = ["JitKLBallELBO", "JitSharpnessAwareELBO", "JitSharpnessAwareMeanFieldELBO"]
+__all__ = ["JitKLBallELBO", "JitSharpnessAwareELBO", "JitSharpnessAwareMeanFieldELBO", "JitTensorTrace_ELBO"]
 
 
 @effectful(type="param")
@@ -160,3 +161,26 @@ class JitKLBallELBO(_Jit, KLBallELBO):
     :param kwargs: the options of :class:`~pyro_flat.infer.KLBallELBO` (``direction``, ``kl_weight``, ``fisher``,
         ...).
     """
+
+
+class JitTensorTrace_ELBO(_Jit, TensorTrace_ELBO):  # noqa: N801 (named like Pyro's ELBOs)
+    r""":class:`~pyro_flat.infer.TensorTrace_ELBO` with the loss of a step captured once and compiled (see the module
+    docstring): the non-flat baselines (MAP with ``AutoDelta``, mean-field VI) on the compiled path of the flat
+    objectives, CUDA graphs included, so that a flat method and its base are compared on the same footing. Unlike
+    Pyro's :class:`~pyro.infer.JitTrace_ELBO` (``torch.jit.trace``) it compiles with :func:`torch.compile`, and every
+    guide site must be reparameterised.
+
+    :param jit_options: options of :func:`torch.compile`; ``{"backend": None}`` runs the captured graph uncompiled.
+    :type jit_options: dict or None
+    :param kwargs: :class:`~pyro.infer.Trace_ELBO` options.
+    """
+
+    def _get_trace(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple:
+        model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
+        for name, site in guide_trace.nodes.items():
+            if site["type"] == "sample" and not site["is_observed"] and not site["fn"].has_rsample:
+                raise ValueError(
+                    f"JitTensorTrace_ELBO: guide site {name!r} ({type(site['fn']).__name__}) is not "
+                    "reparameterisable; the compiled loss is the reparameterised estimator (use TensorTrace_ELBO)"
+                )
+        return model_trace, guide_trace
