@@ -63,10 +63,10 @@ class Setup:
     """The network and data of the step table."""
 
     def __init__(self, device: torch.device, width: int, batch: int, num_data: int, precision: str,
-                 channels_last: bool) -> None:
+                 channels_last: bool, image: int = 32) -> None:
         self.device, self.batch, self.precision, self.channels_last = device, batch, precision, channels_last
         generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(num_data, 3, 32, 32, generator=generator).to(device)
+        self.x = torch.randn(num_data, 3, image, image, generator=generator).to(device)
         if channels_last:
             self.x = self.x.contiguous(memory_format=torch.channels_last)
         self.y = torch.randint(0, 10, (num_data,), generator=generator).to(device)
@@ -99,7 +99,8 @@ class Setup:
 class PyroStep:
     """A ``TensorSVI`` step (or an SG-MCMC transition) of one variant."""
 
-    def __init__(self, setup: Setup, method: str, packed: bool, compiled: bool, jit_options: dict | None = None) -> None:
+    def __init__(self, setup: Setup, method: str, packed: bool, compiled: bool,
+                 jit_options: dict | None = None) -> None:
         pyro.clear_param_store()
         self.setup, self.method = setup, method
         model = setup.model(packed)
@@ -304,7 +305,7 @@ def run_harness(setup: Setup, args: argparse.Namespace) -> list[str]:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "data"
-        write_synthetic_cifar(root, num_train=args.harness_images, num_test=256)
+        write_synthetic_cifar(root, num_train=args.harness_images, num_test=min(256, args.harness_images))
         out = Path(tmp) / "out"
         command = [sys.executable, "-m", "pyro_flat", "bench", "--datasets", "cifar10", "--data-root", str(root),
                    "--model", "resnet18", "--width", str(args.width), "--device", str(setup.device), "--epochs", "2",
@@ -355,11 +356,11 @@ def main(argv: list[str] | None = None) -> str:
     deadline = begin + args.budget
     device = torch.device(args.device)
     if args.smoke:
-        args.width, batch, num_data, precision, channels_last = 4, 8, 64, "float32", False
-        args.harness_images, args.harness_methods = 64, ["map"]
-        args.warmup, args.steps = 1, 2
+        args.width, batch, num_data, precision, channels_last, image = 2, 4, 32, "float32", False, 8
+        args.harness_images, args.harness_methods = 40, ["map"]
+        args.warmup, args.steps = 1, 1
     else:
-        args.width, batch, num_data, precision, channels_last = 64, 128, 1024, "bf16", device.type == "cuda"
+        args.width, batch, num_data, precision, channels_last, image = 64, 128, 1024, "bf16", device.type == "cuda", 32
         args.harness_images, args.harness_methods = 10240, ["map", "vi", "sam"]
     args.test_timeout, args.harness_timeout = 240, 240
     torch.set_default_dtype(torch.float32)
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> str:
         name = "cpu"
     tag = name.lower().replace("nvidia ", "").split()[0].replace("/", "-") if device.type == "cuda" else "cpu"
     out = args.out or Path(__file__).parent / "results" / f"gpu_{tag}.md"
-    setup = Setup(device, args.width, batch, num_data, precision, channels_last)
+    setup = Setup(device, args.width, batch, num_data, precision, channels_last, image)
     lines = ["# GPU check", "", f"{name}; torch {torch.__version__}, pyro {pyro.__version__}; ResNet-18 width "
              f"{args.width} ({setup.size / 1e6:.2f} M weights), batch {batch}, {precision}"
              f"{', channels-last' if channels_last else ''}; {args.warmup} warm-up and {args.steps} timed steps per "

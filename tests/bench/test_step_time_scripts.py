@@ -1,6 +1,7 @@
 """The SVI step-time benchmarks of ``benchmarks/`` run end to end at a tiny size (their timings are not checked)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pyro
@@ -56,3 +57,59 @@ def test_compile_options_script_runs(tmp_path):
     text = module.main(["--repeats", "1", "--steps", "1", "--backend", "eager", "--warm-cache",
                         "--out", str(tmp_path / "c.md")])
     assert text.count("| ") >= 7 and "torch.jit.trace" in text and "nan" not in text.lower()
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_packed_steps_cost_at_most_the_goal_in_operations_and_make_no_host_read():
+    """The CPU proxies of the GPU goals (benchmarks/step_ops.py) on ResNet-18 width 4: a packed Pyro step dispatches
+    at most 1.5x the ATen operations of the cheaper hand-written torch step doing the same arithmetic (2x for the KL
+    ball), checked to compute the same loss and gradients; TensorSVI makes no host read per step, SVI.step one."""
+    step_ops = _load("step_ops")
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    pyro.enable_validation(False)
+    network = step_ops.Network("resnet18", width=4, num_data=64, batch=8)
+    rows = step_ops.measure(network, list(step_ops.METHODS), steps=1)
+    for row in rows:
+        name = row["method"]
+        assert row["pyro packed"].reads == 0, name
+        if "svi reads packed" in row:
+            assert row["svi reads packed"] == 1, name
+        for key in ("check per tensor", "check packed"):
+            if key in row:
+                assert row[key] < 1e-4, (name, key, row[key])  # float32 rounding
+        ratio = step_ops.ratio(row)
+        if ratio is not None:
+            assert ratio <= step_ops.GOALS.get(name, step_ops.DEFAULT_GOAL), (name, ratio)
+        assert row["pyro packed"].ops < row["pyro per tensor"].ops / 3, name  # what packing saves
+    assert {row["method"] for row in rows} == set(step_ops.METHODS)
+
+
+def test_mlp_steps_make_no_host_read_and_match_the_hand_written_steps():
+    step_ops = _load("step_ops")
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    pyro.enable_validation(False)
+    rows = step_ops.measure(step_ops.Network("mlp"), ["MAP", "F-VI", "KL ball", "SGLD"], steps=1)
+    for row in rows:
+        assert row["pyro packed"].reads == 0 and row["pyro per tensor"].reads == 0, row["method"]
+        assert all(row[k] < 1e-4 for k in ("check per tensor", "check packed") if k in row), row
+
+
+def test_gpu_check_runs_every_part_on_a_cpu(tmp_path):
+    """benchmarks/gpu_check.py at toy size on the CPU: the CUDA tests (skipped here), the step table, the harness."""
+    gpu_check = _load("gpu_check")
+    out = tmp_path / "gpu_cpu.md"
+    text = gpu_check.main(["--smoke", "--device", "cpu", "--methods", "MAP", "SGLD", "--no-compile",
+                           "--pytest-args", str(BENCHMARKS.parent / "tests" / "test_readme.py"), "--out", str(out)])
+    assert out.read_text() == text
+    assert "## CUDA tests" in text and "## Steps" in text and "## Harness" in text and "exit code 0" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| MAP |", "| SGLD |"))]
+    assert len(rows) == 12 and "failed" not in text and "differs" not in text
