@@ -59,7 +59,8 @@ def _check_positive(owner: str, name: str, value: object) -> float:
 
 def _flat_prior(dim: int, device: torch.device, dtype: torch.dtype) -> dist.TorchDistribution:
     """An improper flat prior on :math:`\\mathbb R^D` (log density exactly 0) that can still be sampled for init."""
-    return dist.Normal(torch.zeros(dim, device=device, dtype=dtype), 1.0).to_event(1).mask(False)
+    zeros = torch.zeros(dim, device=device, dtype=dtype)
+    return dist.Normal(zeros, torch.ones_like(zeros)).to_event(1).mask(False)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -477,7 +478,9 @@ class BayesianLinearRegression:
         scale = torch.full((self.dim,), self.alpha**-0.5, device=x.device, dtype=x.dtype)
         w = pyro.sample("w", dist.Normal(torch.zeros_like(scale), scale).to_event(1))
         with pyro.plate("data", len(x), subsample_size=subsample_size, device=x.device) as idx:
-            pyro.sample("obs", dist.Normal((x[idx] * w).sum(-1), self.beta**-0.5), obs=None if y is None else y[idx])
+            # the noise scale made on the device (a Python float would be copied from the host at every call)
+            noise = torch.full((), self.beta**-0.5, device=x.device, dtype=x.dtype)
+            pyro.sample("obs", dist.Normal((x[idx] * w).sum(-1), noise), obs=None if y is None else y[idx])
         return w
 
 

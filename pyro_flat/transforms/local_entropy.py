@@ -217,7 +217,7 @@ class LocalEntropyMessenger(Messenger):
             has_rsample=True,
         )
         if self.anchor_prior_scale is not None:
-            log_prior = dist.Normal(torch.zeros_like(u), self.anchor_prior_scale).log_prob(u)
+            log_prior = dist.Normal(torch.zeros_like(u), torch.full_like(u, self.anchor_prior_scale)).log_prob(u)
             pyro.factor(anchor_name(name) + "_prior", _sum_event(log_prior, unconstrained_dim), has_rsample=True)
 
 

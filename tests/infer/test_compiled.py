@@ -532,6 +532,7 @@ def test_compiled_steps_on_cuda_replay_cuda_graphs():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")  # torch < 2.14
 def test_pyro_jit_trace_elbo_on_the_transform_points_to_the_compiled_objective():
     def model(x):
         s = pyro.sample("s", dist.HalfNormal(1.0))  # a constrained latent (the report)

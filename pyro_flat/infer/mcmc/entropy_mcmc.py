@@ -56,7 +56,8 @@ class CoupledPotential:
             anchor = params[anchor_name(name)]
             energy = energy + coupling_potential(params[name], anchor, self.eta)
             if self.anchor_prior_scale is not None:
-                prior = dist.Normal(torch.zeros((), dtype=anchor.dtype, device=anchor.device), self.anchor_prior_scale)
+                scale = torch.full((), self.anchor_prior_scale, dtype=anchor.dtype, device=anchor.device)
+                prior = dist.Normal(torch.zeros_like(scale), scale)
                 energy = energy - prior.log_prob(anchor).sum()
         return energy
 

@@ -39,7 +39,9 @@ GUIDES = [AutoNormal, AutoDiagonalNormal, AutoLowRankPlusDiagonalNormal]
 
 def normal_model(x, subsample_size=None, record=None):
     """z_i ~ N(0, 1), x_i ~ N(z_i, 1): -ELBO_i = ½(m_i² + s²) + ½((x_i - m_i)² + s²) - log s + const."""
-    z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(x)]).to_event(1))
+    # the prior on the data's device (a prior made from Python numbers lives on the CPU: a guide initialised from it
+    # would too, and the likelihood would mix devices)
+    z = pyro.sample("z", dist.Normal(x.new_zeros(len(x)), x.new_ones(len(x))).to_event(1))
     with pyro.plate("data", len(x), subsample_size=subsample_size) as idx:
         if record is not None:
             record.append((idx.clone(), z.detach().clone()))
