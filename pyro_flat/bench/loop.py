@@ -5,9 +5,9 @@ kwargs))`` — the model's arguments for that step — and takes care of the res
 
 * **minibatches** (:class:`TensorStream`, :class:`LoaderStream`): tensor data keep the in-model subsampling path
   (``(x_train, y_train), {"subsample_size": B}``; the model's plate draws the indices), or, for methods that need the
-  batch itself, ``(x[idx], y[idx]), {"num_data": N}``; image data with augmentation come from a ``DataLoader``
-  (:meth:`~pyro_flat.data.VisionData.train_batches`) as ``(x, y), {"num_data": N}``. Under ``torch.distributed`` each
-  rank gets its equal shard of the same global batch.
+  batch itself, ``(x[idx], y[idx]), {"num_data": N}``; image data with augmentation are augmented batch by batch on
+  the run's device (:class:`~pyro_flat.data.images.DeviceBatches`, or ``DataLoader`` workers on the CPU) and come as
+  ``(x, y), {"num_data": N}``. Under ``torch.distributed`` each rank gets its equal shard of the same global batch.
 * **checkpoints** (:class:`RunContext`): every ``every`` steps the loop saves what it was given to look after — the
   network, guide, optimizer, schedules, kernel state, collectors (anything with ``state_dict``/``load_state_dict``,
   and Pyro optimizers) — with the random states, the batch stream's position, the losses and the epoch log, to one
@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from .._validation import all_true
 from ..data import ClassificationData
-from ..data.images import VisionData, combined_seed
+from ..data.images import DeviceBatches, VisionData, combined_seed
 from ..distributed import shard_size
 
 if TYPE_CHECKING:
@@ -135,10 +135,13 @@ class TensorStream:
 
 
 class LoaderStream:
-    """Augmented image minibatches from :meth:`VisionData.train_batches <pyro_flat.data.VisionData.train_batches>`,
-    epoch after epoch, moved to the run's device (``non_blocking`` from pinned memory, optionally channels-last) and
-    reshaped to the data's input shape; yields ``(x, y), {"num_data": N}``. Its state is ``(epoch, batches consumed in
-    the epoch)``: the batches themselves are a pure function of the seed and that position.
+    """Augmented image minibatches, epoch after epoch, on the run's device (optionally channels-last) and reshaped to
+    the data's input shape; yields ``(x, y), {"num_data": N}``. With ``num_workers=0`` they are built on the device
+    (:class:`~pyro_flat.data.images.DeviceBatches`: a GPU augments the whole batch at once), else on the CPU by
+    ``num_workers`` ``DataLoader`` workers (:meth:`VisionData.train_batches
+    <pyro_flat.data.VisionData.train_batches>`) and copied ``non_blocking`` from pinned memory; the batches are the
+    same. Its state is ``(epoch, batches consumed in the epoch)``: the batches themselves are a pure function of the
+    seed and that position, and building them draws nothing from torch's global random state.
     """
 
     def __init__(
@@ -159,13 +162,15 @@ class LoaderStream:
         self.rank, self.world_size = rank, world_size
         self.epoch, self.batch = 0, 0
         self._batches: Iterator | None = None
+        self._on_device = None if num_workers else DeviceBatches(data)
 
     def _open(self) -> Iterator:
-        return iter(self.data.train_batches(
-            self.batch_size, seed=self.seed, epoch=self.epoch, start=self.batch, augment=self.augment,
-            num_workers=self.num_workers, pin_memory=self.data.device.type == "cuda",
-            drop_last=self.drop_last, rank=self.rank, world_size=self.world_size,
-        ))
+        position = {"seed": self.seed, "epoch": self.epoch, "start": self.batch, "augment": self.augment,
+                    "drop_last": self.drop_last, "rank": self.rank, "world_size": self.world_size}
+        if self._on_device is not None:
+            return self._on_device.epoch(self.batch_size, **position)
+        return iter(self.data.train_batches(self.batch_size, num_workers=self.num_workers,
+                                            pin_memory=self.data.device.type == "cuda", **position))
 
     def __next__(self) -> Batch:
         if self._batches is None:
