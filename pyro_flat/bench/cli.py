@@ -19,6 +19,8 @@ from pathlib import Path
 
 from .. import __version__
 from .config import LATENT_CHOICES, PRESETS, RunConfig
+from .loop import OutputFolderError, output_lock
+from .options import check_option_values
 from .registry import METHODS, MODELS, check_method_options, dataset_names
 
 RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
@@ -276,11 +278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")
     try:
         config = PRESETS[args.preset].replace(options=options, **config_changes(args))
+        check_option_values(config, methods)  # every job's option values, before the first job starts
     except ValueError as err:
         parser.error(str(err))
     config = init_distributed(config)
     try:
-        run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
+        with output_lock(args.out):  # one run at a time writes to --out
+            run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
+    except OutputFolderError as err:
+        parser.error(str(err))
     finally:
         _shutdown_distributed()
     return 0

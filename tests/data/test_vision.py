@@ -93,7 +93,7 @@ def test_cifar100_uses_fine_labels(tmp_path):
 
 
 def _spoil_cifar10(root: Path, change) -> Path:
-    """Write a CIFAR-10 folder, then rewrite data_batch_3's dict with ``change(entry)`` (``None``: truncate the file)."""
+    """Write a CIFAR-10 folder, then rewrite data_batch_3 with ``change(entry)`` (``None``: truncate the file)."""
     write_cifar10(root)
     path = root / "cifar-10-batches-py" / "data_batch_3"
     if change is None:
