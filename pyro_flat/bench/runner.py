@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data import ClassificationData
+from ..distributed import local_batchnorm
 from ..infer.predict import bma_predict
 from ..metrics import evaluate, hessian_eigenvalues, model_loss_fn
 from ..nn import has_batchnorm, refresh_batchnorm
@@ -76,18 +77,20 @@ def evaluate_posterior(
     posterior: Posterior, data: ClassificationData, config: RunConfig
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Accuracy, BMA NLL, ECE, Brier, OOD AUROC/AUPR (feature-shuffled test inputs) and :math:`\\lambda_{\\max}`;
-    also returns the BMA test probabilities."""
+    also returns the BMA test probabilities. Data-parallel, every rank evaluates on the same inputs, so BatchNorm
+    refreshes use each rank's own statistics (:func:`~pyro_flat.distributed.local_batchnorm`)."""
     inputs = {"test": data.x_test} if data.x_ood is None else {"test": data.x_test, "ood": data.x_ood}
-    bma = bma_predict(
-        posterior.model,
-        posterior.draw(posterior.num_samples),
-        inputs,
-        mc_dropout=posterior.mc_dropout,
-        batchnorm_inputs=data.x_train if has_batchnorm(posterior.model) else None,
-        batch_size=1024,
-    )
-    report = evaluate(bma["test"], data.y_test, ood_predictions=bma.get("ood"))
-    report["lambda_max"] = posterior_lambda_max(posterior, data, config)
+    with local_batchnorm(posterior.model):
+        bma = bma_predict(
+            posterior.model,
+            posterior.draw(posterior.num_samples),
+            inputs,
+            mc_dropout=posterior.mc_dropout,
+            batchnorm_inputs=data.x_train if has_batchnorm(posterior.model) else None,
+            batch_size=1024,
+        )
+        report = evaluate(bma["test"], data.y_test, ood_predictions=bma.get("ood"))
+        report["lambda_max"] = posterior_lambda_max(posterior, data, config)
     return report, bma["test"].probs
 
 
