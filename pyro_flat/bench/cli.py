@@ -110,7 +110,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", choices=["float32", "bf16"], default=None,
                        help="bf16: the network's forward pass under autocast (the objectives' algebra stays float32)")
     group.add_argument("--channels-last", action="store_true", help="channels-last memory format (GPUs)")
-    group.add_argument("--num-workers", type=int, default=None, help="DataLoader workers for augmented images")
+    group.add_argument("--num-workers", type=int, default=None,
+                       help="build augmented images in N DataLoader workers on the CPU (default 0: on the device)")
     group.add_argument("--compile", action="store_true", default=None,
                        help="compiled flat objectives and kernels (JitSharpnessAwareELBO, JitKLBallELBO, "
                             "jit_compile=True); pays off for long runs only (docs/speed.md)")

@@ -242,7 +242,7 @@ class VisionData(ClassificationData):
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> VisionData:
         """A copy with the tensors on ``device`` and inputs in ``dtype``; the raw images stay on the CPU (the
-        loaders' workers read them there)."""
+        loaders' workers read them there; :class:`DeviceBatches` copies them to its device once)."""
         base = super().to(device, dtype)
         return VisionData(**vars(base), images=self.images, mean=self.mean, std=self.std, flip=self.flip)
 
