@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> str:
     single = {objective: _both(objective, 0, 1, args) for objective in OBJECTIVES}
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_rank, args=(_free_port(), out_dir, args), nprocs=2, join=True)
-        ddp = torch.load(Path(out_dir) / "ddp.pt")
+        ddp = torch.load(Path(out_dir) / "ddp.pt", weights_only=True)
     lines = [
         "# Data-parallel SVI: 2 gloo ranks vs 1 process",
         "",

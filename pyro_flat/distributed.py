@@ -39,11 +39,23 @@ The recipe, Pyro's ``ELBOModule`` route (:meth:`pyro.infer.ELBO.__call__`) wrapp
 :class:`~pyro_flat.optim.BayesianSAM` and :class:`~pyro_flat.optim.SAM` need no option: both gradients of their
 closure come from ``backward()`` through the DDP-wrapped network, which DDP all-reduces, and bSAM's noise is the same
 on every rank once the ranks are seeded alike.
+
+**BatchNorm.** In training mode a BatchNorm layer normalises by the statistics of the batch it sees: each rank's own
+shard, so :math:`R` ranks with :math:`B/R` examples each are not one process with :math:`B`. :func:`convert_batchnorm`
+turns its BatchNorm layers into :class:`GlobalBatchNorm`, which normalises by the mean and variance of the whole
+global batch (summed over the ranks with a differentiable ``all_reduce``, so the gradients flow through the other
+ranks' examples too) and updates the running statistics with them: PyTorch's :class:`~torch.nn.SyncBatchNorm`
+semantics on every device (``SyncBatchNorm`` runs on GPUs only; the harness uses it there and
+``GlobalBatchNorm`` on the CPU). Passes in which every rank sees the *same* inputs — a BatchNorm refresh on the whole
+training set before evaluating a posterior draw — belong inside :func:`local_batchnorm`: summed over the ranks they
+would count each example :math:`R` times (the unbiased running variance would differ by about :math:`1/(2n)`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -51,7 +63,16 @@ from pyro.infer import ELBO
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_reduce_mean", "check_distributed", "check_same_random_state", "ddp_elbo", "shard_size"]
+__all__ = [
+    "GlobalBatchNorm",
+    "all_reduce_mean",
+    "check_distributed",
+    "check_same_random_state",
+    "convert_batchnorm",
+    "ddp_elbo",
+    "local_batchnorm",
+    "shard_size",
+]
 
 
 def check_distributed(owner: str) -> None:
@@ -140,3 +161,123 @@ def shard_size(batch_size: int, world_size: int) -> int:
     if batch_size % world_size:
         raise ValueError(f"the batch size {batch_size} must be divisible by the number of processes {world_size}")
     return batch_size // world_size
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """The sum over the ranks of a tensor, differentiable: the gradient of each rank's input is the sum over the
+    ranks of the gradients of the output (every rank calls backward as often as forward)."""
+
+    @staticmethod
+    def forward(ctx: object, tensor: Tensor, group: object) -> Tensor:
+        ctx.group = group
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+        return _AllReduceSum.apply(grad, ctx.group), None
+
+
+class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
+    r"""BatchNorm over the global batch of all ranks: the semantics of :class:`torch.nn.SyncBatchNorm`, on any device
+    (``SyncBatchNorm`` runs on GPUs only, and DDP refuses it in a CPU module).
+
+    In training mode under an initialised process group, with :math:`x` this rank's shard and sums over every rank's
+    examples :math:`n` (all positions of a channel), the layer computes
+
+    .. math:: \mu = \frac1n\sum x,\qquad \sigma^2 = \frac1n\sum (x-\mu)^2,\qquad
+        y = \gamma\,\frac{x-\mu}{\sqrt{\sigma^2+\epsilon}} + \beta
+
+    (two ``all_reduce`` s of the per-channel sums, differentiable), and moves the running mean and the unbiased
+    running variance :math:`\frac{n}{n-1}\sigma^2` by ``momentum``, as one process with the whole batch does. In
+    eval mode or without a process group it is plain BatchNorm. The statistics are computed in at least float32 (bf16
+    autocast inputs). On GPUs ``SyncBatchNorm``'s fused kernels do the same with fewer launches (the harness uses
+    them there).
+
+    :param num_features: the channels :math:`C` of ``[B, C, ...]`` inputs; ``eps``, ``momentum``, ``affine`` and
+        ``track_running_stats`` are BatchNorm's.
+    :param process_group: the ranks whose batches form the global batch (default: the world).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: object | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"GlobalBatchNorm: expected inputs [B, C, ...], got shape {tuple(input.shape)}")
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(input)
+        self._check_input_dim(input)
+        group = self.process_group or dist.group.WORLD
+        dtype = torch.promote_types(input.dtype, torch.float32)
+        x = input.to(dtype)
+        dims, shape = [0, *range(2, x.dim())], (1, -1) + (1,) * (x.dim() - 2)
+        local = torch.cat([x.sum(dims), x.new_full((1,), x.numel() / x.shape[1])])
+        total = _AllReduceSum.apply(local, group)
+        count = total[-1]
+        mean = total[:-1] / count
+        centred = x - mean.reshape(shape)
+        var = _AllReduceSum.apply(centred.square().sum(dims), group) / count
+        out = centred * torch.rsqrt(var + self.eps).reshape(shape)
+        if self.affine:
+            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), factor)
+                unbiased = var.detach() * count / (count - 1).clamp_min(1)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+        return out.to(input.dtype)
+
+
+def convert_batchnorm(module: nn.Module, process_group: object | None = None) -> nn.Module:
+    """``module`` with every BatchNorm layer replaced by a :class:`GlobalBatchNorm` holding the same parameters,
+    running statistics and mode (the module itself if it is one BatchNorm layer): for data-parallel training whose
+    ranks together equal one process with the global batch.
+
+    :param module: a network.
+    :param process_group: the ranks whose batches form the global batch (default: the world).
+    """
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
+        converted = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                    module.track_running_stats, process_group)
+        if module.affine:
+            converted.weight, converted.bias = module.weight, module.bias
+        if module.track_running_stats:
+            converted.running_mean, converted.running_var = module.running_mean, module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+        return converted.train(module.training)
+    for name, child in module.named_children():
+        converted = convert_batchnorm(child, process_group)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
+
+
+@contextmanager
+def local_batchnorm(module: nn.Module) -> Iterator[None]:
+    """Within the block, ``module``'s BatchNorm layers that normalise over the global batch
+    (:class:`GlobalBatchNorm`, :class:`torch.nn.SyncBatchNorm`) use their own input only, as plain BatchNorm: for
+    passes in which every rank sees the same inputs (e.g. :func:`~pyro_flat.nn.refresh_batchnorm` on the whole
+    training set), where the summed statistics would count each example once per rank."""
+    layers = [m for m in module.modules() if isinstance(m, (GlobalBatchNorm, nn.SyncBatchNorm))]
+    for layer in layers:
+        layer.forward = partial(nn.modules.batchnorm._BatchNorm.forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward

@@ -1,5 +1,6 @@
 """Data-parallel training with torch.distributed: 2 gloo processes with half the batch each reach the parameters of
-one process with the whole batch, for Trace_ELBO, SharpnessAwareELBO, KLBallELBO and BayesianSAM.
+one process with the whole batch, for Trace_ELBO, SharpnessAwareELBO, KLBallELBO and BayesianSAM; GlobalBatchNorm on 2
+ranks normalises, differentiates and tracks statistics as BatchNorm does on the whole batch.
 
 Tolerance: float64, 5 Adam / bSAM steps; the two runs do the same arithmetic except for the order of the sums over
 the batch (per shard, then the mean of the two shards), so they agree to ~1e-15 relative per step; rtol 1e-9 leaves
@@ -8,6 +9,7 @@ room for Adam's normalisation without hiding a wrong perturbation (the negative 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import re
@@ -27,7 +29,13 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pyro_flat.distributed import all_reduce_mean, check_same_random_state, ddp_elbo
+from pyro_flat.distributed import (
+    GlobalBatchNorm,
+    all_reduce_mean,
+    check_same_random_state,
+    convert_batchnorm,
+    ddp_elbo,
+)
 from pyro_flat.infer import KLBallELBO, SharpnessAwareELBO
 from pyro_flat.nn import BayesianMLP
 from pyro_flat.optim import BayesianSAM
@@ -83,6 +91,29 @@ def _train(objective: str, x: torch.Tensor, y: torch.Tensor, distributed: bool) 
     return _train_svi(objective, x, y, distributed)
 
 
+def _batchnorm_pass(layer: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Two training passes of ``layer`` on ``x`` (a loss ``sum(weights * y)`` backpropagated each time), then one in
+    eval mode: outputs, input and parameter gradients, running statistics."""
+    x = x.clone().requires_grad_()
+    for _ in range(2):
+        y = layer(x)
+        (weights * y).sum().backward()
+    layer.eval()
+    return {"y": y.detach(), "x_grad": x.grad, "weight_grad": layer.weight.grad, "bias_grad": layer.bias.grad,
+            "running_mean": layer.running_mean.clone(), "running_var": layer.running_var.clone(),
+            "eval": layer(x).detach()}
+
+
+def _batchnorm_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    layer = nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(3, generator=generator, dtype=torch.float64) + 0.5)
+        layer.bias.copy_(torch.randn(3, generator=generator, dtype=torch.float64))
+    x = torch.randn(BATCH, 3, 4, 5, generator=generator, dtype=torch.float64) * 2 + 1
+    return layer, x, torch.randn(BATCH, 3, 4, 5, generator=generator, dtype=torch.float64)
+
+
 def _rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One gloo rank: its half of the batch, every objective; results saved for the parent process."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -92,6 +123,10 @@ def _rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
         x, y = _data()
         shard = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
         results = {objective: _train(objective, x[shard], y[shard], True) for objective in OBJECTIVES}
+        layer, x_bn, weights = _batchnorm_case()
+        half = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        results["global_batchnorm"] = _batchnorm_pass(convert_batchnorm(layer), x_bn[half], weights[half])
+        results["local_batchnorm"] = _batchnorm_pass(_batchnorm_case()[0], x_bn[half], weights[half])
         reduced = all_reduce_mean([torch.full((2, 3), float(rank)), torch.full((4,), 2.0 * rank)])
         results["all_reduce_mean"] = {"a": reduced[0], "b": reduced[1]}
         torch.manual_seed(7)
@@ -139,6 +174,38 @@ def test_without_the_all_reduced_ascent_the_ranks_drift_apart(objective, two_ran
     single = _train(objective, x, y, distributed=False)
     local = two_rank_results[0][f"{objective}_local"]
     assert max((local[n] - single[n]).abs().max() for n in single) > 1e-4
+
+
+def test_global_batchnorm_on_two_ranks_is_batchnorm_on_the_whole_batch(two_rank_results):
+    """Outputs and input gradients of each rank's half, the sum of the ranks' parameter gradients (what DDP
+    averages, times 2) and the running statistics equal one BatchNorm2d on the whole batch (float64; the sums are
+    taken in another order: rtol 1e-10); a plain BatchNorm on each half is far off (the negative control)."""
+    layer, x, weights = _batchnorm_case()
+    whole = _batchnorm_pass(layer, x, weights)
+    ranks = [result["global_batchnorm"] for result in two_rank_results]
+    for key in ("y", "x_grad", "eval"):
+        torch.testing.assert_close(torch.cat([r[key] for r in ranks]), whole[key], rtol=1e-10, atol=1e-12, msg=key)
+    for key in ("weight_grad", "bias_grad"):
+        torch.testing.assert_close(sum(r[key] for r in ranks), whole[key], rtol=1e-10, atol=1e-12, msg=key)
+    for r in ranks:
+        for key in ("running_mean", "running_var"):
+            torch.testing.assert_close(r[key], whole[key], rtol=1e-10, atol=1e-12, msg=key)
+    local = torch.cat([result["local_batchnorm"]["y"] for result in two_rank_results])
+    assert (local - whole["y"]).abs().max() > 1e-2
+
+
+def test_convert_batchnorm_keeps_parameters_statistics_and_mode():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.ReLU(), nn.BatchNorm2d(4)))
+    net[1].running_mean.fill_(0.5)
+    net.eval()
+    weight, reference = net[1].weight, copy.deepcopy(net)
+    converted = convert_batchnorm(net)
+    assert isinstance(converted[1], GlobalBatchNorm) and isinstance(converted[2][1], GlobalBatchNorm)
+    assert converted[1].weight is weight and float(converted[1].running_mean[0]) == 0.5 and not converted[1].training
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(converted(x), reference(x))  # no process group: plain BatchNorm
+    converted.train(), reference.train()
+    torch.testing.assert_close(converted(x), reference(x))
 
 
 def test_all_reduce_mean_averages_over_the_ranks(two_rank_results):

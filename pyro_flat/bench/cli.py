@@ -19,6 +19,8 @@ from pathlib import Path
 
 from .. import __version__
 from .config import LATENT_CHOICES, PRESETS, RunConfig
+from .loop import OutputFolderError, output_lock
+from .options import check_option_values
 from .registry import METHODS, MODELS, check_method_options, dataset_names
 
 RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
@@ -110,7 +112,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--channels-last", action="store_true", help="channels-last memory format (GPUs)")
     group.add_argument("--per-tensor-sites", action="store_true",
                        help="one sample site per weight tensor (default: all latent weights packed in one site)")
-    group.add_argument("--num-workers", type=int, default=None, help="DataLoader workers for augmented images")
+    group.add_argument("--num-workers", type=int, default=None,
+                       help="build augmented images in N DataLoader workers on the CPU (default 0: on the device)")
     group.add_argument("--compile", action="store_true", default=None,
                        help="compiled flat objectives and kernels (JitSharpnessAwareELBO, JitKLBallELBO, "
                             "jit_compile=True); pays off for long runs only (docs/speed.md)")
@@ -280,11 +283,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")
     try:
         config = PRESETS[args.preset].replace(options=options, **config_changes(args))
+        check_option_values(config, methods)  # every job's option values, before the first job starts
     except ValueError as err:
         parser.error(str(err))
     config = init_distributed(config)
     try:
-        run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
+        with output_lock(args.out):  # one run at a time writes to --out
+            run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
+    except OutputFolderError as err:
+        parser.error(str(err))
     finally:
         _shutdown_distributed()
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from pyro.infer.autoguide import AutoNormal
 from torch import Tensor, nn
 
@@ -32,6 +31,7 @@ from ..infer.autoguide import SWAGCollector
 from ..infer.predict import guide_draws
 from ..nn import init_to_network
 from ..nn.transfer import SWAGFrozenSampler
+from .loop import load_checkpoint
 from .problem import Posterior, Problem, run_svi
 from .registry import register_method
 
@@ -78,7 +78,7 @@ def _frozen_sampler(problem: Problem, method: str, model: nn.Module) -> SWAGFroz
     path = problem.option(method, "backbone_swag", None)
     if path is None:
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint(path)
     collector = SWAGCollector(state["max_rank"])
     collector.load_state_dict(state)
     return SWAGFrozenSampler.from_swag(model, collector, scale=problem.option(method, "backbone_scale", 0.5),

@@ -5,9 +5,9 @@ kwargs))`` — the model's arguments for that step — and takes care of the res
 
 * **minibatches** (:class:`TensorStream`, :class:`LoaderStream`): tensor data keep the in-model subsampling path
   (``(x_train, y_train), {"subsample_size": B}``; the model's plate draws the indices), or, for methods that need the
-  batch itself, ``(x[idx], y[idx]), {"num_data": N}``; image data with augmentation come from a ``DataLoader``
-  (:meth:`~pyro_flat.data.VisionData.train_batches`) as ``(x, y), {"num_data": N}``. Under ``torch.distributed`` each
-  rank gets its equal shard of the same global batch.
+  batch itself, ``(x[idx], y[idx]), {"num_data": N}``; image data with augmentation are augmented batch by batch on
+  the run's device (:class:`~pyro_flat.data.images.DeviceBatches`, or ``DataLoader`` workers on the CPU) and come as
+  ``(x, y), {"num_data": N}``. Under ``torch.distributed`` each rank gets its equal shard of the same global batch.
 * **checkpoints** (:class:`RunContext`): every ``every`` steps the loop saves what it was given to look after — the
   network, guide, optimizer, schedules, kernel state, collectors (anything with ``state_dict``/``load_state_dict``,
   and Pyro optimizers) — with the random states, the batch stream's position, the losses and the epoch log, to one
@@ -26,24 +26,30 @@ kwargs))`` — the model's arguments for that step — and takes care of the res
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import pickle
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import numpy as np
 import pyro
 import pyro.optim
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from .._validation import all_true
 from ..data import ClassificationData
-from ..data.images import VisionData, combined_seed
+from ..data.images import DeviceBatches, VisionData, combined_seed
 from ..distributed import shard_size
 
 if TYPE_CHECKING:
@@ -56,8 +62,12 @@ __all__ = [
     "RunContext",
     "TensorStream",
     "TrainingLoop",
+    "CheckpointError",
+    "OutputFolderError",
     "atomic_save",
     "atomic_write_text",
+    "load_checkpoint",
+    "output_lock",
 ]
 
 Batch = tuple[tuple[Tensor, ...], dict[str, Any]]
@@ -66,6 +76,62 @@ Batch = tuple[tuple[Tensor, ...], dict[str, Any]]
 # ---------------------------------------------------------------------------------------------------------------------
 # atomic writes
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+TEMPORARY = re.compile(r"^\..+\.tmp\d+$")
+"""The name of a temporary file of :func:`_atomic_write` (``.<name>.tmp<pid>``)."""
+
+
+class OutputFolderError(ValueError):
+    """A run refused before it starts because of its output folder: another run is writing to it, or it holds
+    checkpoints that only ``--resume`` may continue."""
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete the temporary files that writes killed midway left under ``folder`` (call it while holding the folder's
+    :func:`output_lock`: no other writer can be using them); returns what was removed."""
+    stale = [path for path in Path(folder).rglob(".*.tmp*") if TEMPORARY.match(path.name) and path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+@contextmanager
+def output_lock(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s lock (the file ``folder/.lock``, an OS lock released when the process ends, even by SIGKILL)
+    for the duration of a run, so that one run at a time writes there; on entry, remove the temporary files of writes
+    killed midway (:func:`remove_stale_temporaries`). Under ``torch.distributed`` rank 0 (the writer) takes the lock
+    and tells the other ranks whether it could (a collective: every rank enters).
+
+    :raises OutputFolderError: on every rank, if another process holds the lock.
+    """
+    from filelock import FileLock, Timeout
+
+    folder = Path(folder)
+    distributed = dist.is_available() and dist.is_initialized()
+    lock, refusal = None, None
+    if not distributed or dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(folder / ".lock", timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            lock, refusal = None, (
+                f"another run is writing to {folder} (it holds {folder / '.lock'}): two runs in one folder would "
+                "lose each other's results; wait for it to end, or choose another output folder")
+    if distributed:
+        message = [refusal]
+        dist.broadcast_object_list(message, src=0)
+        refusal = message[0]
+    if refusal is not None:
+        raise OutputFolderError(refusal)
+    try:
+        if lock is not None:
+            remove_stale_temporaries(folder)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _atomic_write(path: Path, write: Callable[[IO], object], mode: str) -> None:
@@ -83,9 +149,79 @@ def _atomic_write(path: Path, write: Callable[[IO], object], mode: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+CHECKPOINT_FORMAT = "pyro_flat checkpoint 1"
+"""The format tag of the files :func:`atomic_save` writes."""
+
+
+class CheckpointError(ValueError):
+    """A file of the harness that cannot be used — damaged, truncated, crafted, or not written by
+    :func:`atomic_save` — with a message naming it."""
+
+
+def _checksum(obj: object) -> str:
+    """SHA-256 of ``obj``'s content: each tensor's dtype, shape and bytes, and every other value's ``repr``, walked in
+    order through dicts, lists and tuples (what a weights-only ``torch.load`` gives back)."""
+    digest = hashlib.sha256()
+
+    def walk(value: object) -> None:
+        if isinstance(value, Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"<{value.dtype} {tuple(value.shape)}>".encode())
+            digest.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+        elif isinstance(value, Mapping):
+            digest.update(b"{")
+            for key, item in value.items():
+                digest.update(repr(key).encode() + b":")
+                walk(item)
+            digest.update(b"}")
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[" if isinstance(value, list) else b"(")
+            for item in value:
+                walk(item)
+            digest.update(b"]")
+        else:
+            digest.update(repr(value).encode() + b",")
+
+    walk(obj)
+    return digest.hexdigest()
+
+
 def atomic_save(obj: object, path: Path) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (see :func:`atomic_write_text`)."""
-    _atomic_write(path, lambda handle: torch.save(obj, handle), "wb")
+    """``torch.save(obj)`` to ``path`` atomically (see :func:`atomic_write_text`), with a checksum of its content;
+    read it back with :func:`load_checkpoint`. ``obj`` must hold only tensors and plain Python values (dicts,
+    lists, tuples, numbers, strings, ``None``): what ``torch.load(weights_only=True)`` reads."""
+    payload = {"format": CHECKPOINT_FORMAT, "sha256": _checksum(obj), "content": obj}
+    _atomic_write(path, lambda handle: torch.save(payload, handle), "wb")
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """What :func:`atomic_save` wrote to ``path``, read with ``torch.load(weights_only=True)`` — a crafted file
+    cannot run code — after checking its checksum.
+
+    :raises CheckpointError: naming the file, if it cannot be read (truncated, damaged), holds anything but tensors
+        and plain values (refused unread), is not a file of :func:`atomic_save`, or its content does not match its
+        checksum (a flipped bit).
+    """
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        first = str(error).strip().splitlines()[-1].strip()
+        raise CheckpointError(
+            f"{path}: refused: the file holds more than tensors and plain values, which torch.load(weights_only=True)"
+            f" does not run ({first}); it was not written by pyro_flat (crafted, or from another program)"
+        ) from error
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # torch raises RuntimeError, EOFError, ... for a truncated or damaged archive
+        raise CheckpointError(f"{path}: cannot be read: truncated or damaged ({type(error).__name__}: "
+                              f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from error
+    if not (isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT and "content" in payload):
+        raise CheckpointError(f"{path}: not a checkpoint of pyro_flat (expected format {CHECKPOINT_FORMAT!r}); "
+                              "it may come from an older version: rerun without --resume in a new output folder")
+    if _checksum(payload["content"]) != payload.get("sha256"):
+        raise CheckpointError(f"{path}: damaged: its content does not match the checksum written with it (a "
+                              "flipped bit, a partial copy); restore the file or rerun without it")
+    return payload["content"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -135,10 +271,13 @@ class TensorStream:
 
 
 class LoaderStream:
-    """Augmented image minibatches from :meth:`VisionData.train_batches <pyro_flat.data.VisionData.train_batches>`,
-    epoch after epoch, moved to the run's device (``non_blocking`` from pinned memory, optionally channels-last) and
-    reshaped to the data's input shape; yields ``(x, y), {"num_data": N}``. Its state is ``(epoch, batches consumed in
-    the epoch)``: the batches themselves are a pure function of the seed and that position.
+    """Augmented image minibatches, epoch after epoch, on the run's device (optionally channels-last) and reshaped to
+    the data's input shape; yields ``(x, y), {"num_data": N}``. With ``num_workers=0`` they are built on the device
+    (:class:`~pyro_flat.data.images.DeviceBatches`: a GPU augments the whole batch at once), else on the CPU by
+    ``num_workers`` ``DataLoader`` workers (:meth:`VisionData.train_batches
+    <pyro_flat.data.VisionData.train_batches>`) and copied ``non_blocking`` from pinned memory; the batches are the
+    same. Its state is ``(epoch, batches consumed in the epoch)``: the batches themselves are a pure function of the
+    seed and that position, and building them draws nothing from torch's global random state.
     """
 
     def __init__(
@@ -159,13 +298,15 @@ class LoaderStream:
         self.rank, self.world_size = rank, world_size
         self.epoch, self.batch = 0, 0
         self._batches: Iterator | None = None
+        self._on_device = None if num_workers else DeviceBatches(data)
 
     def _open(self) -> Iterator:
-        return iter(self.data.train_batches(
-            self.batch_size, seed=self.seed, epoch=self.epoch, start=self.batch, augment=self.augment,
-            num_workers=self.num_workers, pin_memory=self.data.device.type == "cuda",
-            drop_last=self.drop_last, rank=self.rank, world_size=self.world_size,
-        ))
+        position = {"seed": self.seed, "epoch": self.epoch, "start": self.batch, "augment": self.augment,
+                    "drop_last": self.drop_last, "rank": self.rank, "world_size": self.world_size}
+        if self._on_device is not None:
+            return self._on_device.epoch(self.batch_size, **position)
+        return iter(self.data.train_batches(self.batch_size, num_workers=self.num_workers,
+                                            pin_memory=self.data.device.type == "cuda", **position))
 
     def __next__(self) -> Batch:
         if self._batches is None:
@@ -213,14 +354,19 @@ def _set_state(obj: object, state: object) -> None:
 
 
 def _random_state() -> dict:
+    """torch's, Python's, NumPy's (its key as an int64 tensor, so that a weights-only load reads it) and CUDA's
+    random states."""
     state = pyro.util.get_rng_state()
+    name, key, position, has_gauss, cached = state["numpy"]
+    state["numpy"] = (name, torch.from_numpy(key.astype(np.int64)), int(position), int(has_gauss), float(cached))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _set_random_state(state: Mapping) -> None:
-    pyro.util.set_rng_state(dict(state))
+    name, key, position, has_gauss, cached = state["numpy"]
+    pyro.util.set_rng_state({**state, "numpy": (name, key.numpy().astype(np.uint32), position, has_gauss, cached)})
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -302,13 +448,34 @@ class DrawStore:
         if "draws" in state:
             self.draws = list(state["draws"])
         else:
-            self.draws = [torch.load(self._path(k), map_location=self.device, weights_only=True)
-                          for k in range(state["count"])]
+            self.draws = [load_checkpoint(self._path(k), map_location=self.device) for k in range(state["count"])]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # one job's checkpoints
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_fingerprint(label: str, path: Path, theirs: Mapping | None, ours: Mapping) -> None:
+    """Refuse a file written by a job configured differently from this one.
+
+    :param label: the job, for the message.
+    :param path: the file (checkpoint, phase, record) whose fingerprint is ``theirs``.
+    :raises ValueError: naming every key that differs, with both values.
+    """
+    theirs = {} if theirs is None else theirs
+    if dict(theirs) == dict(ours):
+        return
+    def show(values: Mapping, key: str) -> str:
+        return repr(values[key]) if key in values else "absent"
+
+    changed = [f"{key} was {show(theirs, key)}, now {show(ours, key)}" for key in sorted(set(theirs) | set(ours))
+               if key not in theirs or key not in ours or theirs[key] != ours[key]]
+    raise ValueError(
+        f"{label}: {path} belongs to another configuration ({'; '.join(changed)}); resume with the same "
+        f"arguments, or use another output folder"
+    )
+
 
 
 @dataclass
@@ -322,7 +489,9 @@ class RunContext:
     :param progress: show a tqdm bar per loop.
     :param log: called with every per-epoch entry (e.g. to append it to a JSON-lines file).
     :param is_writer: whether this process writes files (rank 0 under ``torch.distributed``).
-    :param fingerprint: a description of the run (its configuration); a resume refuses checkpoints of another one.
+    :param fingerprint: what determines the job's results (a flat dict, see
+        :func:`~pyro_flat.bench.runner.job_fingerprint`); a resume refuses checkpoints of another one, naming the keys
+        that differ.
     """
 
     label: str = ""
@@ -350,8 +519,8 @@ class RunContext:
         if self.is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
         if self.resume and self.checkpoint_path.exists():
-            self._saved = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
-            self._check_fingerprint(self._saved)
+            self._saved = load_checkpoint(self.checkpoint_path)
+            self._check_fingerprint(self._saved, self.checkpoint_path)
             self.num_saves = self._saved["num_saves"]
 
     @property
@@ -366,14 +535,8 @@ class RunContext:
     def phase_path(self, phase: int) -> Path:
         return self.directory / f"phase_{phase}.pt"
 
-    def _check_fingerprint(self, saved: Mapping) -> None:
-        if saved.get("fingerprint") != self.fingerprint:
-            theirs, ours = saved.get("fingerprint", {}), self.fingerprint
-            changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-            raise ValueError(
-                f"{self.label}: the checkpoints in {self.directory} belong to another configuration (differences in "
-                f"{changed}); resume with the same arguments, or use another output folder"
-            )
+    def _check_fingerprint(self, saved: Mapping, path: Path) -> None:
+        check_fingerprint(self.label, path, saved.get("fingerprint"), self.fingerprint)
 
     def next_phase(self) -> int:
         self._phase += 1
@@ -386,8 +549,8 @@ class RunContext:
             return None
         path = self.phase_path(phase)
         if path.exists():
-            saved = torch.load(path, map_location="cpu", weights_only=False)
-            self._check_fingerprint(saved)
+            saved = load_checkpoint(path)
+            self._check_fingerprint(saved, path)
             return saved
         if self._saved is not None and self._saved["phase"] == phase:
             return self._saved

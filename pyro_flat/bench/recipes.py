@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data import check_vision_files
 from .config import RunConfig
+from .options import check_option_values
+from .registry import check_method_options
 
 __all__ = ["RECIPES", "PaperRow", "Recipe", "Stage", "run_recipe"]
 
@@ -366,33 +369,74 @@ def run_recipe(
 ) -> None:
     """Run every stage of recipe ``name`` (the ``recipe`` command) and write ``OUT/table.md``."""
     from .cli import _shutdown_distributed, init_distributed, run_and_report
-    from .loop import atomic_write_text
+    from .loop import atomic_write_text, output_lock
     from .problem import world
     from .report import summarise
 
     recipe = RECIPES[name]
     changes = dict(changes)
-    if changes.get("data_root") is None:
-        raise ValueError(f"recipe {name} reads its images from a folder: pass --data-root DIR")
-    if recipe.needs_pretrained and args.preset == "paper" and changes.get("pretrained") is None:
-        raise ValueError(f"recipe {name} starts from ImageNet weights: pass --pretrained FILE (torchvision's "
-                         "resnet18 state dict)")
     seeds = args.seeds or (1 if args.preset == "smoke" else recipe.seeds)
     out: Path = args.out
+    setups = check_recipe(recipe, args.preset, changes, options, out)
     summaries: dict[str, list[dict]] = {}
     try:
-        for stage in recipe.stages:
-            config, methods = stage_setup(recipe, stage, args.preset, changes, options, out)
-            config = init_distributed(config)
-            records = run_and_report(stage.datasets, methods, seeds, config, out / stage.name, args,
-                                     f"{command}  [stage {stage.name}]")
-            summaries[stage.name] = summarise(records) if records else []
-        if world()[0] == 0:
-            table = recipe_table(recipe, summaries)
-            print(table)
-            atomic_write_text(out / "table.md", f"`{command}`\n\n{table}")
-            atomic_write_text(out / "recipe.json", json.dumps(
-                {"recipe": name, "command": command, "preset": args.preset, "seeds": seeds,
-                 "paper": [vars(p) for p in recipe.paper], "ours": summaries}, indent=1))
+        setups = [(init_distributed(config), methods) for config, methods in setups]
+        with output_lock(out):  # one run at a time writes to `out` (and its stages' folders)
+            for stage, (config, methods) in zip(recipe.stages, setups, strict=True):
+                records = run_and_report(stage.datasets, methods, seeds, config, out / stage.name, args,
+                                         f"{command}  [stage {stage.name}]")
+                summaries[stage.name] = summarise(records) if records else []
+            if world()[0] == 0:
+                table = recipe_table(recipe, summaries)
+                print(table)
+                atomic_write_text(out / "table.md", f"`{command}`\n\n{table}")
+                atomic_write_text(out / "recipe.json", json.dumps(
+                    {"recipe": name, "command": command, "preset": args.preset, "seeds": seeds,
+                     "paper": [vars(p) for p in recipe.paper], "ours": summaries}, indent=1))
     finally:
         _shutdown_distributed()
+
+
+def check_recipe(
+    recipe: Recipe, preset: str, changes: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]], out: Path,
+) -> list[tuple[RunConfig, tuple[str, ...]]]:
+    """Everything a recipe needs, checked before its first stage starts, for every preset: the data folder and its
+    files, the pretrained weights (readable, a torchvision ``resnet18`` state dict), and every stage's configuration
+    and option values; returns each stage's ``(config, methods)``.
+
+    :raises ValueError: naming the flag, file or option at fault.
+    """
+    root = changes.get("data_root")
+    if root is None:
+        raise ValueError(f"recipe {recipe.name} reads its images from a folder: pass --data-root DIR")
+    if recipe.needs_pretrained:
+        if changes.get("pretrained") is None:
+            raise ValueError(f"recipe {recipe.name} starts from ImageNet weights (with every preset, smoke included): "
+                             "pass --pretrained FILE (torchvision's resnet18 state dict)")
+        _check_resnet18_weights(Path(changes["pretrained"]))
+    setups = [stage_setup(recipe, stage, preset, changes, options, out) for stage in recipe.stages]
+    for stage, (config, _) in zip(recipe.stages, setups, strict=True):
+        check_method_options(config.options)
+        check_option_values(config)
+        for dataset in stage.datasets:
+            try:
+                check_vision_files(dataset, root)
+            except FileNotFoundError as error:
+                raise ValueError(f"--data-root: {error}") from error
+    return setups
+
+
+def _check_resnet18_weights(path: Path) -> None:
+    """Refuse a ``--pretrained`` file that is missing, not a weights-only file, or not torchvision's ``resnet18``."""
+    import torch
+    import torchvision
+
+    if not path.is_file():
+        raise ValueError(f"--pretrained: the file {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        torchvision.models.resnet18(num_classes=1000).load_state_dict(state)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--pretrained: {path} is not torchvision's resnet18 state dict, read weights-only "
+                         f"({first})") from error

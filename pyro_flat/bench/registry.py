@@ -16,6 +16,7 @@ from torch import nn
 
 from ..data import VISION_DATASETS, ClassificationData, load_digits, load_mnist1d
 from ..data.images import load_vision_data
+from ..distributed import convert_batchnorm
 from ..nn import (
     BayesianClassifier,
     BayesianCNN,
@@ -132,14 +133,23 @@ def _image_channels(data: ClassificationData) -> int:
 def _bayesian(net: nn.Module, data: ClassificationData, config: RunConfig) -> BayesianClassifier:
     """``net`` with ``config.latent`` weights latent under N(0, prior_scale^2) and the rest learned."""
     if _sync_batchnorm():
-        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+        net = _global_batchnorm(net, config)
     return BayesianClassifier(make_bayesian(net, random=config.latent, prior_scale=config.prior_scale,
                                             rest="learned", packed=config.packed), data.num_classes)
 
 
 def _sync_batchnorm() -> bool:
-    """Data-parallel on GPUs: BatchNorm statistics over the global batch (SyncBatchNorm needs CUDA)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and torch.cuda.is_available()
+    """Data-parallel: BatchNorm statistics over the global batch, so that R ranks train as one process with the
+    whole batch."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _global_batchnorm(net: nn.Module, config: RunConfig) -> nn.Module:
+    """``net``'s BatchNorm layers over the global batch: torch's ``SyncBatchNorm`` on GPUs, which it needs,
+    :class:`~pyro_flat.distributed.GlobalBatchNorm` elsewhere."""
+    if torch.device(config.device).type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    return convert_batchnorm(net)
 
 
 def build_resnet18(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianClassifier:
@@ -181,7 +191,7 @@ def build_resnet18_imagenet(data: ClassificationData, config: RunConfig, *, drop
         state = torch.load(config.pretrained, map_location="cpu", weights_only=True)
         net.load_state_dict(state)
     if _sync_batchnorm():
-        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+        net = _global_batchnorm(net, config)
     rest = "frozen" if config.pretrained is not None else "learned"
     return bayesian_transfer(net, data.num_classes, random=config.latent, prior_scale=config.prior_scale,
                              rest=rest, copy=False, packed=config.packed)

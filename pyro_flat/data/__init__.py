@@ -26,7 +26,7 @@ from .toy import (
     heteroscedastic_regression,
     two_moons,
 )
-from .vision import VISION_DATASETS, LocalImageDataset, load_vision_dataset, vision_num_data
+from .vision import VISION_DATASETS, LocalImageDataset, check_vision_files, load_vision_dataset, vision_num_data
 
 __all__ = [
     "ClassificationData",
@@ -43,6 +43,7 @@ __all__ = [
     "BayesianLinearRegression",
     "GaussianTarget",
     "load_vision_dataset",
+    "check_vision_files",
     "vision_num_data",
     "LocalImageDataset",
     "VISION_DATASETS",

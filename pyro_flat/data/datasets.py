@@ -66,14 +66,16 @@ def _tensor_loader(
     """A loader yielding ``[x_batch, y_batch]`` by indexing ``tensors`` with one batch of indices at a time.
 
     With ``shuffle`` the order comes from a CPU generator seeded with ``seed``: every pass over the loader draws a new
-    permutation, and the sequence of permutations is the same for the same seed.
+    permutation, and the sequence of permutations is the same for the same seed. The loader's own generator gives
+    each pass its base seed, so iterating it never draws from torch's global random state.
     """
     dataset = TensorDataset(*tensors)
     if shuffle:
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
     else:
         sampler = SequentialSampler(dataset)
-    return DataLoader(dataset, batch_size=None, sampler=BatchSampler(sampler, batch_size, drop_last))
+    return DataLoader(dataset, batch_size=None, sampler=BatchSampler(sampler, batch_size, drop_last),
+                      generator=torch.Generator())
 
 
 class _InMemoryData:

@@ -1,12 +1,16 @@
-r"""Image datasets at scale: the standard augmentation, and ``DataLoader`` s whose batches do not depend on workers.
+r"""Image datasets at scale: the standard augmentation, batched on the run's device or in ``DataLoader`` workers.
 
 :func:`load_vision_data` reads CIFAR-10/100, SVHN, MNIST or FashionMNIST from a local folder
 (:func:`~pyro_flat.data.load_vision_dataset`, never downloads) into a :class:`VisionData`: a
 :class:`~pyro_flat.data.ClassificationData` whose tensors hold the normalised images (for evaluation, BatchNorm
-refreshes and in-model subsampling) and which also keeps the ``uint8`` training images for augmented loaders.
-:meth:`VisionData.train_batches` is a :class:`~torch.utils.data.DataLoader` (workers, pinned memory) over augmented
-minibatches, for SVI steps and kernels called with ``num_data=N`` — augmented images are new at every step, so they
-cannot live inside the model's tensor.
+refreshes and in-model subsampling) and which also keeps the ``uint8`` training images for augmented minibatches, for
+SVI steps and kernels called with ``num_data=N`` — augmented images are new at every step, so they cannot live inside
+the model's tensor. Two ways build the same minibatches:
+
+* :class:`DeviceBatches`: the whole batch at once on the run's device (a GPU when there is one) in the calling
+  process — one gather of the ``uint8`` images, one gather for the crops and flips, one normalisation;
+* :meth:`VisionData.train_batches`: a :class:`~torch.utils.data.DataLoader` that builds them on the CPU in worker
+  processes (pinned memory).
 
 **The augmentation** (:func:`augment`): zero-pad by 4 pixels and take a random crop of the original size, flip
 horizontally with probability 1/2 (not for the digit datasets, SVHN and MNIST), then normalise each channel by the
@@ -16,9 +20,11 @@ training set's mean and standard deviation — torchvision's ``RandomCrop(32, pa
 **Why not torchvision's transforms.** They draw from the global random state of the process that applies them, so a
 batch depends on the number of workers, on which worker built it, and on every batch before it. Here each minibatch
 is a pure function of ``(seed, epoch, batch index)``: the epoch's order is a permutation drawn from a generator seeded
-by ``(seed, epoch)``, and the batch's crops and flips come from a generator seeded by ``(seed, epoch, batch)``. A
-run is then the same with 0 or 16 workers, and a killed run resumes mid-epoch at exactly the next batch
-(:class:`EpochBatches`); data-parallel ranks take equal shards of the *same* augmented global batch.
+by ``(seed, epoch)``, and the batch's crops and flips come from a generator seeded by ``(seed, epoch, batch)`` (CPU
+generators, also when the images are augmented on a GPU). A run is then the same on the device or with 0 or 16
+workers, and a killed run resumes mid-epoch at exactly the next batch (:class:`EpochBatches`); data-parallel ranks
+take equal shards of the *same* augmented global batch. Neither way draws from torch's global random state, so
+opening an epoch's batches changes no random number the training draws.
 """
 
 from __future__ import annotations
@@ -38,7 +44,16 @@ from .datasets import ClassificationData
 from .real import feature_shuffled
 from .vision import load_vision_dataset
 
-__all__ = ["EpochBatches", "ImageBatches", "VisionData", "augment", "load_vision_data", "write_synthetic_cifar"]
+__all__ = [
+    "DeviceBatches",
+    "EpochBatches",
+    "ImageBatches",
+    "VisionData",
+    "augment",
+    "crop_and_flip",
+    "load_vision_data",
+    "write_synthetic_cifar",
+]
 
 FLIPS = {"cifar10": True, "cifar100": True, "svhn": False, "mnist": False, "fashionmnist": True}
 """Whether the standard augmentation of a dataset flips images horizontally (never for digits)."""
@@ -49,6 +64,34 @@ def combined_seed(*entropy: int) -> int:
     return int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def _crop_and_flip_draws(generator: torch.Generator, total: int, pad: int, flip: bool) -> tuple[Tensor, ...]:
+    """The crop offsets (rows, then columns, uniform in ``[0, 2 pad]``) and flips (probability 1/2) of a batch of
+    ``total`` images, drawn from ``generator`` in that order."""
+    top = torch.randint(0, 2 * pad + 1, (total,), generator=generator)
+    left = torch.randint(0, 2 * pad + 1, (total,), generator=generator)
+    flips = torch.rand(total, generator=generator) < 0.5 if flip else torch.zeros(total, dtype=torch.bool)
+    return top, left, flips
+
+
+def crop_and_flip(images: Tensor, top: Tensor, left: Tensor, flips: Tensor, *, pad: int = 4) -> Tensor:
+    """Zero-pad ``images`` by ``pad`` pixels, crop image ``i`` of the original size at ``(top[i], left[i])`` and flip
+    it horizontally where ``flips[i]``: one gather on the images' device.
+
+    :param images: ``[b, C, H, W]`` images (any dtype).
+    :param top: ``[b]`` row offsets in ``[0, 2 pad]``, on the images' device.
+    :param left: ``[b]`` column offsets in ``[0, 2 pad]``.
+    :param flips: ``[b]`` booleans.
+    :returns: a new tensor of the same shape and dtype.
+    """
+    b, c, h, w = images.shape
+    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
+    rows = top[:, None] + torch.arange(h, device=images.device)  # [b, H]
+    columns = torch.arange(w, device=images.device)
+    columns = left[:, None] + torch.where(flips[:, None], w - 1 - columns, columns)  # a flip reverses the columns
+    index = (rows[:, :, None] * (w + 2 * pad) + columns[:, None, :]).reshape(b, 1, h * w).expand(b, c, h * w)
+    return padded.reshape(b, c, -1).gather(2, index).reshape(b, c, h, w)
+
+
 def augment(
     images: Tensor, generator: torch.Generator, *, pad: int = 4, flip: bool = True, batch_size: int | None = None,
     offset: int = 0,
@@ -56,31 +99,31 @@ def augment(
     """The standard augmentation of a batch: zero padding by ``pad`` pixels, a random crop of the original size (offsets
     uniform in ``[0, 2 pad]``), a horizontal flip with probability 1/2 if ``flip``.
 
-    :param images: ``[b, C, H, W]`` images (any dtype; ``uint8`` in the loaders): the whole batch, or rows
+    :param images: ``[b, C, H, W]`` images (any dtype and device; ``uint8`` in the loaders): the whole batch, or rows
         ``[offset, offset + b)`` of a batch of ``batch_size`` (a data-parallel rank's shard, augmented as within the
         whole batch).
     :param generator: the CPU generator of the offsets and flips (drawn for the whole batch at once, in the order
         rows, columns, flips).
     :param batch_size: the size of the whole batch (default ``b``).
     :param offset: the first row of ``images`` in the whole batch.
-    :returns: a new tensor of the same shape and dtype.
+    :returns: a new tensor of the same shape, dtype and device.
     """
     if images.dim() != 4:
         raise ValueError(f"augment: expected images [B, C, H, W], got shape {tuple(images.shape)}")
-    b, _, h, w = images.shape
+    b = len(images)
     total = b if batch_size is None else batch_size
     if not 0 <= offset <= total - b:
         raise ValueError(f"augment: rows [{offset}, {offset + b}) are not inside a batch of {total}")
-    top = torch.randint(0, 2 * pad + 1, (total,), generator=generator)[offset : offset + b]
-    left = torch.randint(0, 2 * pad + 1, (total,), generator=generator)[offset : offset + b]
-    flips = (torch.rand(total, generator=generator) < 0.5)[offset : offset + b] if flip else None
-    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
-    rows = (top[:, None] + torch.arange(h))[:, None, :, None]  # [b, 1, H, 1]
-    cols = (left[:, None] + torch.arange(w))[:, None, None, :]  # [b, 1, 1, W]
-    out = padded[torch.arange(b)[:, None, None, None], torch.arange(images.shape[1])[None, :, None, None], rows, cols]
-    if flips is not None:
-        out = torch.where(flips[:, None, None, None], out.flip(-1), out)
-    return out
+    draws = _crop_and_flip_draws(generator, total, pad, flip)
+    top, left, flips = (d[offset : offset + b].to(images.device) for d in draws)
+    return crop_and_flip(images, top, left, flips, pad=pad)
+
+
+def _normalisation(mean: Tensor, std: Tensor, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """``(scale, shift)`` with ``x = pixels * scale - shift`` the normalised float32 image."""
+    scale = (1.0 / (255.0 * std)).to(torch.float32).reshape(1, -1, 1, 1)
+    shift = (mean / std).to(torch.float32).reshape(1, -1, 1, 1)
+    return scale.to(device), shift.to(device)
 
 
 class ImageBatches(Dataset):
@@ -103,8 +146,7 @@ class ImageBatches(Dataset):
                 f"ImageBatches: expected uint8 images [N, C, H, W], got {images.dtype} {tuple(images.shape)}"
             )
         self.images, self.targets = images, targets.cpu()
-        self.scale = (1.0 / (255.0 * std)).to(torch.float32).reshape(1, -1, 1, 1)
-        self.shift = (mean / std).to(torch.float32).reshape(1, -1, 1, 1)
+        self.scale, self.shift = _normalisation(mean, std)
         self.flip = flip
 
     def __len__(self) -> int:
@@ -200,7 +242,7 @@ class VisionData(ClassificationData):
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> VisionData:
         """A copy with the tensors on ``device`` and inputs in ``dtype``; the raw images stay on the CPU (the
-        loaders' workers read them there)."""
+        loaders' workers read them there; :class:`DeviceBatches` copies them to its device once)."""
         base = super().to(device, dtype)
         return VisionData(**vars(base), images=self.images, mean=self.mean, std=self.std, flip=self.flip)
 
@@ -219,12 +261,74 @@ class VisionData(ClassificationData):
         world_size: int = 1,
     ) -> DataLoader:
         """One epoch of ``(x, y)`` minibatches (float32 normalised images ``[b, C, H, W]`` on the CPU, ``int64``
-        labels), from batch ``start`` on; see :class:`EpochBatches` for the arguments. The batches are the same for
-        any ``num_workers``."""
+        labels), from batch ``start`` on, built in ``num_workers`` worker processes; see :class:`EpochBatches` for the
+        arguments. The batches are the same for any ``num_workers``, and those of :class:`DeviceBatches`.
+
+        The loader has a generator of its own: each of its iterators takes its base seed from it, not from torch's
+        global random state (which a resume restores: an iterator opened mid-epoch on resume would otherwise shift
+        every random number drawn after it)."""
         batches = ImageBatches(self.images, self.y_train, self.mean, self.std, flip=self.flip)
         sampler = EpochBatches(len(self.images), batch_size, seed, epoch, start, augment, drop_last, rank, world_size)
         return DataLoader(batches, batch_size=None, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                          persistent_workers=False)
+                          persistent_workers=False, generator=torch.Generator())
+
+
+class DeviceBatches:
+    """The minibatches of :meth:`VisionData.train_batches` built on a device in the calling process: the ``uint8``
+    training images are copied to ``device`` once; each batch is then one gather of its images, one gather for the
+    crops and flips (:func:`crop_and_flip`) and the normalisation, on that device (the same float32 values as the
+    ``DataLoader``'s, bit for bit on the CPU).
+
+    An epoch's order, crop offsets and flips are drawn up front on the CPU from the same seeded generators as the
+    loader's (:class:`EpochBatches`) and copied to the device in one transfer, so a batch needs no host
+    synchronisation.
+
+    :param data: the image dataset.
+    :param device: where the batches are built (default: the data's device).
+    """
+
+    def __init__(self, data: VisionData, device: torch.device | str | None = None) -> None:
+        self.device = data.device if device is None else torch.device(device)
+        self.images = data.images.to(self.device)
+        self.targets = data.y_train.to(self.device)
+        self.scale, self.shift = _normalisation(data.mean, data.std, self.device)
+        self.flip = data.flip
+
+    def epoch(
+        self,
+        batch_size: int,
+        *,
+        seed: int,
+        epoch: int = 0,
+        start: int = 0,
+        augment: bool = True,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """One epoch of ``(x, y)`` minibatches on the device (float32 normalised images ``[b, C, H, W]``, ``int64``
+        labels), from batch ``start`` on; the arguments are :meth:`VisionData.train_batches`'s."""
+        keys = list(EpochBatches(len(self.images), batch_size, seed, epoch, start, augment, drop_last, rank,
+                                 world_size))
+        if not keys:
+            return
+        rows = [indices[first:stop] for indices, _, first, stop in keys]
+        columns = [torch.cat(rows)]
+        if augment:
+            draws = [_crop_and_flip_draws(torch.Generator().manual_seed(key), len(indices), 4, self.flip)
+                     for indices, key, _, _ in keys]
+            for part in range(3):  # rows, columns, flips
+                columns.append(torch.cat([d[part][first:stop] for d, (_, _, first, stop) in zip(draws, keys,
+                                                                                                  strict=True)]))
+        table = torch.stack([c.to(torch.int64) for c in columns]).to(self.device)  # one copy for the epoch
+        position = 0
+        for part in rows:
+            chunk = table[:, position : position + len(part)]
+            position += len(part)
+            images = self.images.index_select(0, chunk[0])
+            if augment:
+                images = crop_and_flip(images, chunk[1], chunk[2], chunk[3].bool())
+            yield images.to(torch.float32) * self.scale - self.shift, self.targets.index_select(0, chunk[0])
 
 
 def _channel_moments(images: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor]:

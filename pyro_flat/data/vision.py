@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["LocalImageDataset", "load_vision_dataset", "vision_num_data", "VISION_DATASETS"]
+__all__ = ["LocalImageDataset", "check_vision_files", "load_vision_dataset", "vision_num_data", "VISION_DATASETS"]
 
 VISION_DATASETS = ("cifar10", "cifar100", "svhn", "mnist", "fashionmnist")
 
@@ -128,6 +128,13 @@ def vision_num_data(dataset: Dataset) -> int:
 # expected files
 
 
+def _dataset_key(name: str) -> str:
+    key = name.lower().replace("-", "").replace("_", "") if isinstance(name, str) else name
+    if key not in VISION_DATASETS:
+        raise ValueError(f"load_vision_dataset: unknown dataset name {name!r}; expected one of {list(VISION_DATASETS)}")
+    return key
+
+
 def _mnist_names(train: bool) -> list[str]:
     prefix = "train" if train else "t10k"
     return [f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"]
@@ -169,15 +176,54 @@ def _check_files(name: str, folder: Path, files: list[str], train: bool) -> list
     return [path for path in paths if path is not None]
 
 
+def check_vision_files(name: str, root: str | Path) -> None:
+    """Check, without reading them, that the files of both splits of dataset ``name`` are under ``root``.
+
+    :raises ValueError: for an unknown name.
+    :raises FileNotFoundError: naming the folder and the missing files.
+    """
+    key = _dataset_key(name)
+    for train in (True, False):
+        folder, files = _expected(key, Path(root).expanduser(), train)
+        _check_files(key, folder, files, train)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # readers
 
 
 def _unpickle(path: Path) -> dict[str, Any]:
     """Load a CIFAR pickle; keys (bytes in the original Python 2 files) become ``str``."""
-    with path.open("rb") as handle:
-        entry = pickle.load(handle, encoding="bytes")
+    try:
+        with path.open("rb") as handle:
+            entry = pickle.load(handle, encoding="bytes")
+    except Exception as error:  # EOFError, UnpicklingError, ... from a truncated or damaged file
+        raise ValueError(f"{path}: cannot be read as a CIFAR pickle: truncated or damaged "
+                         f"({type(error).__name__}: {error})") from error
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: expected a pickled dict (the CIFAR format), got {type(entry).__name__}")
     return {key.decode("latin1") if isinstance(key, bytes) else key: value for key, value in entry.items()}
+
+
+def _pixels(path: Path, values: object) -> np.ndarray:
+    """``values`` as ``uint8`` pixels, refusing anything a cast would change silently: NaN or infinite values (they
+    would become black), values outside ``[0, 255]`` (300 would wrap to 44) and fractions."""
+    array = np.asarray(values)
+    if array.dtype == np.uint8:
+        return array
+    if array.dtype.kind not in "iuf":
+        raise ValueError(f"{path}: expected pixel values as integers in [0, 255], got dtype {array.dtype}")
+    if array.dtype.kind == "f":
+        bad = int(np.count_nonzero(~np.isfinite(array)))
+        if bad:
+            raise ValueError(f"{path}: {bad} pixel values are NaN or infinite; expected integers in [0, 255]")
+        if np.any(array != np.round(array)):
+            raise ValueError(f"{path}: pixel values hold fractions (in [{array.min():g}, {array.max():g}]); expected "
+                             "integers in [0, 255]")
+    if array.size and (array.min() < 0 or array.max() > 255):
+        raise ValueError(f"{path}: pixel values lie in [{array.min():g}, {array.max():g}]; expected integers in "
+                         "[0, 255]")
+    return array.astype(np.uint8)
 
 
 def _read_cifar(name: str, batch_paths: list[Path], meta_path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -187,10 +233,18 @@ def _read_cifar(name: str, batch_paths: list[Path], meta_path: Path) -> tuple[np
         entry = _unpickle(path)
         if "data" not in entry or label_key not in entry:
             raise ValueError(f"{name}: expected keys 'data' and '{label_key}' in {path}, got {sorted(entry)}")
-        data = np.asarray(entry["data"], dtype=np.uint8)
+        data = _pixels(path, entry["data"])
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+            raise ValueError(f"{path}: expected 'data' of shape [n, 3072] (one 32x32 RGB image per row), got "
+                             f"{data.shape}")
+        targets = np.asarray(entry[label_key], dtype=np.int64).reshape(-1)
+        if len(targets) != len(data):
+            raise ValueError(f"{path}: holds {len(data)} images but {len(targets)} labels")
         images.append(data.reshape(len(data), 3, 32, 32).transpose(0, 2, 3, 1))  # CHW rows -> HWC images
-        labels.append(np.asarray(entry[label_key], dtype=np.int64))
+        labels.append(targets)
     meta = _unpickle(meta_path)
+    if names_key not in meta:
+        raise ValueError(f"{meta_path}: expected the key '{names_key}', got {sorted(meta)}")
     classes = [c.decode("latin1") if isinstance(c, bytes) else str(c) for c in meta[names_key]]
     return np.concatenate(images), np.concatenate(labels), classes
 
@@ -202,9 +256,19 @@ def _read_svhn(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ImportError(
             "reading SVHN (.mat files) needs scipy; install it with `pip install scipy` (or pyro_flat[bench])"
         ) from error
-    mat = loadmat(path)
-    images = np.ascontiguousarray(np.asarray(mat["X"], dtype=np.uint8).transpose(3, 0, 1, 2))  # [32,32,3,N] -> NHWC
+    try:
+        mat = loadmat(path)
+    except Exception as error:
+        raise ValueError(f"{path}: cannot be read as a MATLAB file: truncated or damaged ({error})") from error
+    if "X" not in mat or "y" not in mat:
+        raise ValueError(f"{path}: expected the variables 'X' and 'y' (the SVHN format)")
+    pixels = _pixels(path, mat["X"])
+    if pixels.ndim != 4 or pixels.shape[:3] != (32, 32, 3):
+        raise ValueError(f"{path}: expected 'X' of shape [32, 32, 3, n], got {pixels.shape}")
+    images = np.ascontiguousarray(pixels.transpose(3, 0, 1, 2))  # [32,32,3,N] -> NHWC
     labels = np.asarray(mat["y"], dtype=np.int64).reshape(-1)
+    if len(labels) != len(images):
+        raise ValueError(f"{path}: holds {len(images)} images but {len(labels)} labels")
     labels[labels == 10] = 0
     return images, labels
 
@@ -248,9 +312,7 @@ def load_vision_dataset(
     :rtype: LocalImageDataset
     :raises FileNotFoundError: if the folder or a needed file is missing (the message names both).
     """
-    key = name.lower().replace("-", "").replace("_", "") if isinstance(name, str) else name
-    if key not in VISION_DATASETS:
-        raise ValueError(f"load_vision_dataset: unknown dataset name {name!r}; expected one of {list(VISION_DATASETS)}")
+    key = _dataset_key(name)
     if transform is not None and not callable(transform):
         raise ValueError(f"load_vision_dataset: expected transform to be callable or None, got {transform!r}")
     try:
@@ -268,6 +330,12 @@ def load_vision_dataset(
     else:
         images, labels = _read_idx(paths[0]), _read_idx(paths[1]).astype(np.int64)
         classes = [str(digit) for digit in range(10)] if key == "mnist" else list(_FASHION_CLASSES)
+        if images.ndim != 3 or len(images) != len(labels):
+            raise ValueError(f"{paths[0]}: expected {len(labels)} images [n, H, W] for the {len(labels)} labels of "
+                             f"{paths[1]}, got shape {images.shape}")
+    if len(images) == 0:
+        split = "train" if train else "test"
+        raise ValueError(f"{key} ({split} split): the files {', '.join(map(str, paths))} hold no images")
     if len(labels) and (labels.min() < 0 or labels.max() >= len(classes)):
         raise ValueError(f"{key}: labels lie in [{labels.min()}, {labels.max()}], expected [0, {len(classes)})")
     return LocalImageDataset(key, images, torch.from_numpy(labels), classes, transform)

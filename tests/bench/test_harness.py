@@ -58,6 +58,35 @@ def test_every_option_a_method_reads_is_declared():
             assert f'"{key}"' in source, (spec.name, key)
 
 
+def test_every_declared_option_has_a_rule_for_its_values():
+    from pyro_flat.bench.options import OPTION_VALUES
+
+    assert {key for spec in METHODS.values() for key in spec.options} == set(OPTION_VALUES)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"f_vi": {"rho": -1}}, r"f_vi.rho must be a number >= 0, got -1"),
+    ({"f_vi": {"adaptive": "yes"}}, r"f_vi.adaptive must be True or False, got 'yes'"),
+    ({"swag": {"swa_start": 8}}, r"swag.swa_start must be an int in \[0, epochs\), got 8"),
+    ({"sam_torch": {"m_sharpness": 0}}, r"sam_torch.m_sharpness must be an int in \[1, batch size\], got 0"),
+    ({"emcmc": {"collect": "all"}}, r"emcmc.collect must be 'theta', 'anchor' or 'both', got 'all'"),
+    ({"sa_bma": {"backbone_swag": "missing.pt"}}, r"the file missing.pt does not exist and no method of this run"),
+])
+def test_option_values_are_checked_for_every_job_before_the_first_starts(options, message, monkeypatch, capsys):
+    """A value a method would refuse stops the run before its first job, not when that method's turn comes."""
+    from pyro_flat.bench import runner
+
+    started = []
+    monkeypatch.setattr(runner, "run_one", lambda *args, **kwargs: started.append(args))
+    methods = ["map", *options]
+    with pytest.raises(ValueError, match=message):
+        run_benchmark(["digits"], methods, [0], TINY.replace(options=options))
+    sets = [f"--set={m}.{k}={v!r}" for m, values in options.items() for k, v in values.items()]
+    with pytest.raises(SystemExit):
+        main(["bench", "--methods", *methods, "--epochs", "8", *sets, "--out", "unused"])
+    assert started == [] and message.split(" must")[0].replace("\\", "") in capsys.readouterr().err
+
+
 def test_register_twice_is_an_error():
     with pytest.raises(ValueError, match="already registered"):
         register_method("map", description="again")(lambda problem: None)

@@ -90,6 +90,30 @@ def test_recipe_errors(cifar, tmp_path, capsys):
     assert "--pretrained FILE" in capsys.readouterr().err
 
 
+def test_a_recipes_inputs_are_checked_before_its_first_stage(cifar, imagenet_weights, tmp_path, capsys):
+    """Missing or wrong weights, a bad option value of a later stage and a data folder without the dataset are
+    refused before anything trains, for every preset (sa-bma-transfer's smoke preset without --pretrained used to fail
+    in stage 2, minutes in)."""
+    out = tmp_path / "out"
+    base = ["recipe", "sa-bma-transfer", "--preset", "smoke", "--data-root", str(cifar), "--out", str(out),
+            "--no-progress"]
+    not_weights = tmp_path / "other.pth"
+    torch.save({"conv.weight": torch.zeros(1)}, not_weights)
+    cases = [
+        ([], "--pretrained FILE"),
+        (["--pretrained", str(tmp_path / "missing.pth")], "missing.pth does not exist"),
+        (["--pretrained", str(not_weights)], "other.pth is not torchvision's resnet18 state dict"),
+        (["--pretrained", str(imagenet_weights), "--set", "sa_bma_score.radius=-1"],
+         "sa_bma_score.radius must be a number >= 0, got -1"),
+        (["--pretrained", str(imagenet_weights), "--data-root", str(tmp_path)], "cifar-10-batches-py does not exist"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit):
+            main(base + extra)
+        assert message in capsys.readouterr().err
+        assert not out.exists()  # refused before the first stage
+
+
 def test_table_quotes_unverified_figures_as_missing():
     recipe = RECIPES["entropy-mcmc-cifar10"]
     rows = [{"dataset": "cifar10", "method": m, "acc": (90.0, float("nan")), "nll": (0.3, float("nan")),

@@ -89,6 +89,16 @@ def test_train_loader_seed_determinism_and_epochs():
     assert order(loader) != order(loader)  # a new permutation every epoch
 
 
+def test_loaders_never_draw_from_the_global_random_state():
+    # a DataLoader without a generator of its own seeds each iterator from torch's global generator, which shifts
+    # every random number the training draws after it (and breaks exact resume)
+    data = make_data()
+    state = torch.get_rng_state()
+    for loader in (data.train_loader(6), data.train_loader(6, shuffle=False), data.test_loader(6)):
+        list(loader), list(loader)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_train_loader_drop_last_and_no_shuffle():
     data = make_data()
     assert [len(x) for x, _ in data.train_loader(6, drop_last=True)] == [6, 6, 6]

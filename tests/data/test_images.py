@@ -1,5 +1,6 @@
-"""Image data at scale: the augmentation against torchvision's, loaders that do not depend on workers, mid-epoch
-resume, data-parallel shards, normalisation, and the synthetic CIFAR folders."""
+"""Image data at scale: the augmentation against torchvision's, batches built on the device equal to the loader's and
+to the batches built before the device path, loaders that do not depend on workers, mid-epoch resume, data-parallel
+shards, normalisation, and the synthetic CIFAR folders."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from pyro_flat.data import VisionData, load_vision_data, load_vision_dataset, write_synthetic_cifar
-from pyro_flat.data.images import EpochBatches, ImageBatches, augment
+from pyro_flat.data.images import DeviceBatches, EpochBatches, ImageBatches, augment, combined_seed
 
 F = pytest.importorskip("torchvision.transforms.functional")
 transforms = pytest.importorskip("torchvision.transforms")
@@ -124,3 +125,74 @@ def test_data_parallel_shards_partition_the_global_batch(cifar):
         assert torch.equal(torch.cat([shards[0][b][1], shards[1][b][1]]), y)
     with pytest.raises(ValueError, match="divisible by the number of processes 3"):
         EpochBatches(60, 16, 0, world_size=3)
+
+
+def _batches_built_before(data, batch_size, seed, *, epoch=0, start=0, augment=True, drop_last=False, rank=0,
+                          world_size=1):
+    """The reference: one epoch of minibatches as the loaders built them before augmentation moved to the device
+    (pyro_flat 8897c86), per batch on the CPU: the epoch's permutation, each batch's generator, its crops by advanced
+    indexing of the padded images and its flips by ``torch.where``, then the normalisation."""
+    order = torch.randperm(len(data.images), generator=torch.Generator().manual_seed(combined_seed(seed, epoch)))
+    full, rest = divmod(len(data.images), batch_size)
+    scale = (1.0 / (255.0 * data.std)).to(torch.float32).reshape(1, -1, 1, 1)
+    shift = (data.mean / data.std).to(torch.float32).reshape(1, -1, 1, 1)
+    shard = batch_size // world_size
+    out = []
+    for batch in range(start, full + (rest > 0 and not drop_last and world_size == 1)):
+        indices = order[batch * batch_size : (batch + 1) * batch_size]
+        first, stop = (0, len(indices)) if world_size == 1 else (rank * shard, (rank + 1) * shard)
+        images = data.images[indices[first:stop]]
+        if augment:
+            generator = torch.Generator().manual_seed(combined_seed(seed, epoch, batch))
+            total, b = len(indices), stop - first
+            top = torch.randint(0, 9, (total,), generator=generator)[first:stop]
+            left = torch.randint(0, 9, (total,), generator=generator)[first:stop]
+            flips = (torch.rand(total, generator=generator) < 0.5)[first:stop] if data.flip else None
+            padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
+            rows = (top[:, None] + torch.arange(32))[:, None, :, None]
+            cols = (left[:, None] + torch.arange(32))[:, None, None, :]
+            images = padded[torch.arange(b)[:, None, None, None], torch.arange(3)[None, :, None, None], rows, cols]
+            if flips is not None:
+                images = torch.where(flips[:, None, None, None], images.flip(-1), images)
+        out.append((images.to(torch.float32) * scale - shift, data.y_train[indices[first:stop]]))
+    return out
+
+
+SETTINGS = [{}, {"epoch": 3, "start": 2}, {"augment": False}, {"drop_last": True}, {"flip": False},
+            {"rank": 0, "world_size": 2, "drop_last": True}, {"rank": 1, "world_size": 2, "drop_last": True}]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
+def test_batches_on_the_device_equal_the_batches_built_before(cifar, setting):
+    """The device path (one gather per batch) and the DataLoader (workers or not) give exactly the batches the
+    per-batch CPU pipeline gave before: the same images, crops, flips and normalised float32 values, bit for bit."""
+    data = load_vision_data("cifar10", cifar)
+    setting = dict(setting)
+    if not setting.pop("flip", True):
+        data = VisionData(**{**vars(data), "flip": False})
+    expected = _batches_built_before(data, 16, 3, **setting)
+    on_device = list(DeviceBatches(data).epoch(16, seed=3, **setting))
+    loaded = [list(data.train_batches(16, seed=3, num_workers=w, **setting)) for w in (0, 2)]
+    assert len(expected) == len(on_device) > 0
+    for got in (on_device, *loaded):
+        for (x, y), (x0, y0) in zip(got, expected, strict=True):
+            assert x.dtype == torch.float32 and torch.equal(x, x0) and torch.equal(y, y0)
+
+
+def test_building_batches_draws_nothing_from_the_global_random_state(cifar):
+    """Each DataLoader iterator used to take its base seed from torch's global generator, so the iterator a resume
+    opens mid-epoch shifted every later random number (resume was not exact on image data)."""
+    data = load_vision_data("cifar10", cifar)
+    state = torch.get_rng_state()
+    list(data.train_batches(16, seed=3)), list(data.train_batches(16, seed=3, start=2))
+    list(DeviceBatches(data).epoch(16, seed=3, start=1))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.cuda
+def test_batches_built_on_a_gpu_equal_the_cpus(cifar):
+    data = load_vision_data("cifar10", cifar)
+    on_gpu = list(DeviceBatches(data, "cuda").epoch(16, seed=3, epoch=1))
+    on_cpu = list(DeviceBatches(data, "cpu").epoch(16, seed=3, epoch=1))
+    for (x, y), (x0, y0) in zip(on_gpu, on_cpu, strict=True):
+        assert x.is_cuda and torch.equal(x.cpu(), x0) and torch.equal(y.cpu(), y0)

@@ -92,6 +92,62 @@ def test_cifar100_uses_fine_labels(tmp_path):
     assert np.array_equal(np.asarray(train[0][0]), data[0].reshape(3, 32, 32).transpose(1, 2, 0))
 
 
+def _spoil_cifar10(root: Path, change) -> Path:
+    """Write a CIFAR-10 folder, then rewrite data_batch_3 with ``change(entry)`` (``None``: truncate the file)."""
+    write_cifar10(root)
+    path = root / "cifar-10-batches-py" / "data_batch_3"
+    if change is None:
+        path.write_bytes(path.read_bytes()[:200])
+    else:
+        with path.open("rb") as handle:
+            entry = pickle.load(handle)
+        write_pickle(path, change(entry))
+    return path
+
+
+def _with_data(values):
+    return lambda entry: entry | {b"data": values}
+
+
+def _nan_pixels(entry):
+    data = entry[b"data"].astype(np.float64)
+    data[1, 5] = np.nan
+    return entry | {b"data": data}
+
+
+def _large_pixels(entry):
+    data = entry[b"data"].astype(np.int64)
+    data[0, 0] = 300  # would wrap to 44 in a uint8 cast
+    return entry | {b"data": data}
+
+
+BAD_CIFAR = {
+    "nan": (_nan_pixels, r"1 pixel values are NaN or infinite; expected integers in \[0, 255\]"),
+    "out of range": (_large_pixels, r"pixel values lie in \[\d+, 300\]; expected integers in \[0, 255\]"),
+    "fractions": (_with_data(np.full((2, 3072), 0.5)), "pixel values hold fractions"),
+    "truncated": (None, "cannot be read as a CIFAR pickle: truncated or damaged"),
+    "shape": (_with_data(np.zeros((2, 3000), dtype=np.uint8)), r"expected 'data' of shape \[n, 3072\]"),
+    "labels": (lambda entry: entry | {b"labels": [1]}, "holds 2 images but 1 labels"),
+    "not a dict": (lambda entry: [entry], "expected a pickled dict"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CIFAR))
+def test_bad_cifar_files_are_refused_naming_the_file(tmp_path, case):
+    """NaN pixels used to become black images (with a NumPy warning), 300 wrapped to 44, and a truncated pickle or a
+    wrong shape raised errors that did not name the file."""
+    change, message = BAD_CIFAR[case]
+    path = _spoil_cifar10(tmp_path, change)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": .*" + message):
+        load_vision_dataset("cifar10", tmp_path)
+
+
+def test_an_empty_split_is_refused_naming_its_files(tmp_path):
+    write_cifar10(tmp_path, per_batch=0)
+    with pytest.raises(ValueError, match=r"cifar10 \(test split\): the files .*test_batch.* hold no images"):
+        load_vision_dataset("cifar10", tmp_path, train=False)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # SVHN
 
@@ -106,6 +162,11 @@ def test_svhn_mat_file(tmp_path):
     assert tensor.shape == (3, 32, 32) and label == 9
     expected = torch.from_numpy(images[:, :, :, 2].transpose(2, 0, 1) / 255)
     torch.testing.assert_close(tensor, expected.to(tensor.dtype))
+    images = images.astype(np.int16)
+    images[0, 0, 0, 1] = 300
+    scipy_io.savemat(tmp_path / "test_32x32.mat", {"X": images, "y": np.array([[10], [1], [9], [10]], dtype=np.uint8)})
+    with pytest.raises(ValueError, match=r"test_32x32.mat: pixel values lie in \[\d+, 300\]"):
+        load_vision_dataset("svhn", tmp_path, train=False)
 
 
 # ------------------------------------------------------------------------------------------------------------------
