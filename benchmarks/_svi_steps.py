@@ -53,22 +53,23 @@ class PyroStep:
 
     :param torch_optim: train with ``torch.optim.Adam`` on ``loss(model, guide)`` (Pyro's ``ELBOModule``) instead of
         ``SVI`` with ``pyro.optim.Adam`` (one torch optimiser per parameter).
+    :param svi_class: ``pyro.infer.SVI`` (default) or ``pyro_flat.infer.TensorSVI`` (no host read per step).
+    :param foreach: ``pyro.optim.Adam``'s ``foreach`` (``None``: torch's default).
     """
 
     def __init__(self, model, x, y, loss, guide_factory: Callable, batch: int = BATCH, *,
-                 torch_optim: bool = False) -> None:
+                 torch_optim: bool = False, svi_class: type = SVI, foreach: bool | None = None) -> None:
         self.x, self.y, self.batch = x, y, batch
         self.store = pyro.get_param_store()
         self.store.clear()
         self.model, self.loss = model, loss
-        guide = guide_factory(model)
+        self.guide = guide = guide_factory(model)
+        guide(x, y, subsample_size=batch)  # sets the guide up (its parameters at their initial values)
         if torch_optim:
-            guide(x, y, subsample_size=batch)
             self.module = loss(model, guide)
             self.optim = torch.optim.Adam(self.module.parameters(), lr=LR)
         else:
-            self.svi = SVI(model, guide, pyro.optim.Adam({"lr": LR}), loss)
-        self.step()  # sets the guide up
+            self.svi = svi_class(model, guide, pyro.optim.Adam({"lr": LR, "foreach": foreach}), loss)
         self.state = self.store.get_state()
 
     def enter(self) -> None:
@@ -85,6 +86,35 @@ class PyroStep:
         self.optim.zero_grad()
         self.module(self.x, self.y, subsample_size=self.batch).backward()
         self.optim.step()
+
+    def loss_and_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The loss of one step and its gradients with respect to the guide's parameters (unconstrained), in the order
+        of the hand-written steps' :meth:`TorchBBB.parameters` (locations, then scales; ``AutoDelta``: the values)."""
+        self.enter()
+        try:
+            loss = self.loss.differentiable_loss(self.model, self.guide, self.x, self.y, subsample_size=self.batch)
+            names = list(self.store.keys())
+            if any(".locs." in n for n in names):
+                names = [n for n in names if ".locs." in n] + [n for n in names if ".scales." in n]
+            grads = torch.autograd.grad(loss, [self.store._params[n] for n in names])
+        finally:
+            self.exit()
+        return loss.detach(), list(grads)
+
+
+def check_same_step(pyro_step, torch_step, seed: int = 11) -> float:
+    """The largest relative difference between the loss and the gradients of a Pyro step and a hand-written step, each
+    from the same seed (the same minibatch and noise) at its initial parameters: the two compute the same thing when it
+    is at rounding level. ``pyro_step`` has ``loss_and_grads()``, ``torch_step`` ``loss()`` and ``parameters()``."""
+    pyro.set_rng_seed(seed)
+    loss, grads = pyro_step.loss_and_grads()
+    pyro.set_rng_seed(seed)
+    torch_loss = torch_step.loss()
+    torch_grads = torch.autograd.grad(torch_loss, torch_step.parameters())
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch_flat = torch.cat([g.reshape(-1) for g in torch_grads])
+    return max(((loss - torch_loss).abs() / torch_loss.abs()).item(),
+               ((flat - torch_flat).norm() / torch_flat.norm()).item())
 
 
 def packed_torch(params: list[torch.Tensor], forward: Callable) -> tuple[list[torch.Tensor], Callable]:

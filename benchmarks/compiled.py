@@ -8,8 +8,9 @@ median over repeats), for one network:
   all 11.2 M weights latent, on CIFAR-shaped synthetic data (1024 points, 3x32x32, 10 classes: nothing downloads),
   minibatch 32.
 
-Variants (float32, one thread, Pyro's default validation on; the compiled steps run without it, their checks ran
-at the eager steps): SVI steps with ``AutoNormal`` and ``pyro.optim.Adam`` — ``Trace_ELBO`` and Pyro's
+Variants (float32, one thread, Pyro's validation and torch.distributions' argument checks off on every side, so that
+no baseline is handicapped; each hand-written step is checked first to compute its Pyro step's loss and gradients from
+the same seed): SVI steps with ``AutoNormal`` and ``pyro.optim.Adam`` — ``Trace_ELBO`` and Pyro's
 ``JitTrace_ELBO``, ``SharpnessAwareELBO`` (rho 0.05) and ``JitSharpnessAwareELBO``, ``KLBallELBO`` (radius 0.01,
 Fisher direction) and ``JitKLBallELBO``; the SA-ELBO also with ``torch.optim.Adam`` on Pyro's ``ELBOModule`` (one
 optimiser instead of Pyro's one per parameter); the hand-written torch steps doing the same arithmetic (Bayes by
@@ -19,7 +20,8 @@ kernel's ``sample`` applied to its own output and (MLP only) inside ``pyro.infer
 idiomatic hand-written torch SGLD loop (``nn.Module``, ``F.cross_entropy``, in-place updates).
 
 The warm-up (``--warmup`` steps, untimed) includes each compiled variant's capture and compilation, reported beside
-the step times.
+the step times. ``--packed`` packs the network's latent weights into one site (``pyro_flat.nn.pack_latents``) and the
+hand-written steps' weights into one vector alike.
 
 Run: ``python benchmarks/compiled.py --network mlp`` (writes ``benchmarks/results/compiled_mlp.md``) and
 ``python benchmarks/compiled.py --network resnet18 --repeats 3 --steps 2`` (``compiled_resnet18.md``).
@@ -38,7 +40,7 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_steps import INIT_SCALE, PyroStep, TorchBBB, mlp_torch
+from _svi_steps import INIT_SCALE, PyroStep, TorchBBB, check_same_step, mlp_torch, packed_torch
 from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, time_block, timing_rows
 from kl_ball_elbo import RADIUS, TorchKLBall
 from pyro.infer import MCMC, JitTrace_ELBO, Trace_ELBO
@@ -55,7 +57,7 @@ from pyro_flat.infer import (
     SharpnessAwareELBO,
 )
 from pyro_flat.infer.mcmc import SGLD
-from pyro_flat.nn import BayesianClassifier, init_to_network, make_bayesian, resnet18
+from pyro_flat.nn import BayesianClassifier, init_to_network, make_bayesian, pack_latents, resnet18
 
 STEP_SIZE = 1e-6
 
@@ -69,8 +71,9 @@ class Network:
     :param batch: ResNet-18's minibatch size.
     """
 
-    def __init__(self, name: str, *, width: int = 64, num_data: int = 1024, batch: int = 32) -> None:
-        self.name = name
+    def __init__(self, name: str, *, width: int = 64, num_data: int = 1024, batch: int = 32,
+                 packed: bool = False) -> None:
+        self.name, self.packed = name, packed
         if name == "mlp":
             data = load_digits(dtype=torch.float32)
             self.x, self.y, self.batch = data.x_train, data.y_train, 128
@@ -101,15 +104,27 @@ class Network:
             self.make_net = lambda: copy.deepcopy(net)
         else:
             raise ValueError(f"unknown network {name!r}")
+        if packed:
+            self.describe += ", packed (one latent site)"
+
+    def model(self) -> BayesianClassifier:
+        """The Bayesian network (packed with ``packed``)."""
+        model = self.make_model()
+        if self.packed:
+            pack_latents(model.net)
+        return model
 
     def svi(self, loss, *, torch_optim: bool = False) -> PyroStep:
         def guide(model):
             return AutoNormal(model, init_loc_fn=init_to_network(model), init_scale=INIT_SCALE)
 
-        return PyroStep(self.make_model(), self.x, self.y, loss, guide, self.batch, torch_optim=torch_optim)
+        return PyroStep(self.model(), self.x, self.y, loss, guide, self.batch, torch_optim=torch_optim)
 
     def torch_step(self, cls: type) -> TorchBBB:
-        return cls(self.x, self.y, self.torch_params, self.torch_forward, self.batch)
+        params, forward = self.torch_params, self.torch_forward
+        if self.packed:
+            params, forward = packed_torch(params, forward)
+        return cls(self.x, self.y, params, forward, self.batch)
 
 
 class TorchSGLD:
@@ -138,6 +153,20 @@ class TorchSGLD:
         self.update(self.gradients())
 
 
+def check_same_gradient(kernel_steps: KernelSteps, torch_sgld: TorchSGLD, seed: int = 11) -> float:
+    """The relative difference between the gradient of the SGLD kernel's potential and the hand-written loop's at the
+    same weights, from the same seed (the same minibatch)."""
+    kernel = kernel_steps.kernel
+    leaves = {name: value.detach().clone().requires_grad_() for name, value in kernel_steps.params.items()}
+    pyro.set_rng_seed(seed)
+    grads = torch.autograd.grad(kernel.potential_fn(leaves), list(leaves.values()))
+    pyro.set_rng_seed(seed)
+    torch_grads = torch_sgld.gradients()
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch_flat = torch.cat([g.reshape(-1) for g in torch_grads])
+    return ((flat - torch_flat).norm() / torch_flat.norm()).item()
+
+
 class KernelSteps:
     """Gradient steps of an SG-MCMC kernel (default SGLD): one ``MCMC.run`` of ``draws`` draws, each ``thinning``
     transitions apart, per ``step()`` (``draws > 0``, set-up included, every draw kept), or one transition, the
@@ -146,7 +175,7 @@ class KernelSteps:
     def __init__(self, network: Network, draws: int, thinning: int = 1, kernel: type = SGLD,
                  **options: object) -> None:
         self.network, self.draws = network, draws
-        model = network.make_model()
+        model = network.model()
         self.kernel = kernel(model, step_size=STEP_SIZE, init_strategy=init_to_network(model), thinning=thinning,
                              **options)
         self.units_per_step = max(draws * thinning, 1)
@@ -183,17 +212,20 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--jit-backend", default="inductor", help="torch.compile backend of the compiled variants")
     parser.add_argument("--warm-cache", action="store_true",
                         help="use TorchInductor's on-disk cache (default: a fresh one, so compile times are cold)")
+    parser.add_argument("--packed", action="store_true", help="the latent weights packed in one site")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    out = args.out or Path(__file__).parent / "results" / f"compiled_{args.network}.md"
+    suffix = "_packed" if args.packed else ""
+    out = args.out or Path(__file__).parent / "results" / f"compiled_{args.network}{suffix}.md"
     if not args.warm_cache:
         fresh_compile_cache()
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
-    pyro.enable_validation(True)
+    pyro.enable_validation(False)  # Pyro's checks and torch.distributions' argument checks, for every variant
     pyro.set_rng_seed(0)
     warnings.filterwarnings("ignore", "`torch.jit.trace` is deprecated", FutureWarning)  # JitTrace_ELBO's tracer
-    network = Network(args.network)
+    warnings.filterwarnings("ignore", "`torch.jit.trace` is deprecated", DeprecationWarning)  # torch < 2.14
+    network = Network(args.network, packed=args.packed)
     jit = {"backend": None if args.jit_backend == "none" else args.jit_backend}
     draws = args.draws if args.network == "mlp" else 0
     variants = {
@@ -219,6 +251,13 @@ def main(argv: list[str] | None = None) -> str:
             variants[name] = KernelSteps(network, draws // thinning, thinning)
             variants[name[:-1] + ", jit_compile=True)"] = KernelSteps(network, draws // thinning, thinning,
                                                                        jit_compile=True, jit_options=jit)
+    checks = {  # the same arithmetic: loss and gradients from the same seed, before any step
+        f"{pyro_name} vs {torch_name}": check_same_step(variants[pyro_name], variants[torch_name])
+        for pyro_name, torch_name in (("Trace_ELBO", "torch BBB"), ("SharpnessAwareELBO", "torch BBB-SAM"),
+                                      ("KLBallELBO", "torch KL-ball"))
+    }
+    checks["SGLD.sample vs torch SGLD (idiomatic)"] = check_same_gradient(variants["SGLD.sample"],
+                                                                          variants["torch SGLD (idiomatic)"])
     warmup = {}
     for name, variant in variants.items():
         start = time.perf_counter()
@@ -248,8 +287,9 @@ def main(argv: list[str] | None = None) -> str:
     lines = [
         f"# Eager and compiled step times: {args.network}",
         "",
-        f"{network.describe}; AutoNormal guides (init scale {INIT_SCALE}), Adam 1e-3, float32, Pyro's validation on "
-        f"(the compiled steps run without it). {args.repeats} repeats x {args.steps} steps per variant, variants "
+        f"{network.describe}; AutoNormal guides (init scale {INIT_SCALE}), Adam 1e-3, float32, Pyro's validation and "
+        f"torch.distributions' argument checks off for every variant. {args.repeats} repeats x {args.steps} steps "
+        "per variant, variants "
         f"interleaved (order alternating), median; {args.warmup} untimed warm-up steps first. Compiled variants: "
         f"torch.compile backend `{args.jit_backend}`, "
         f"{'warm' if args.warm_cache else 'fresh (cold)'} TorchInductor cache. {environment()}",
@@ -259,7 +299,10 @@ def main(argv: list[str] | None = None) -> str:
     ]
     for label, eager, compiled, base, goal in table:
         lines.append(f"| {label} | {med[eager] / med[base]:.2f} | {med[compiled] / med[base]:.2f} | {goal} |")
-    lines += ["", *timing_rows(times), "", "| variant | warm-up (s) | capture / compile (s) |", "|---|---|---|"]
+    lines += ["", "Same arithmetic, checked before timing (largest relative difference of the loss and the gradients, "
+              "one step from the same seed; float32 rounding is about 1e-6):", "",
+              *[f"- {pair}: {value:.1e}" for pair, value in checks.items()],
+              "", *timing_rows(times), "", "| variant | warm-up (s) | capture / compile (s) |", "|---|---|---|"]
     for name, variant in variants.items():
         lines.append(f"| {name} | {warmup[name]:.1f} | {compile_times(variant)} |")
     return write_markdown(lines, out, __file__, argv)

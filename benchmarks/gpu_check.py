@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pyro
 import torch
-from _svi_steps import LR, TorchBBB, TorchMAP, packed_torch
+from _svi_steps import LR, TorchBBB, TorchMAP, check_same_step, packed_torch
 from kl_ball_elbo import RADIUS, TorchKLBall
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 from sharpness_aware_elbo import RHO, TorchBBBSAM
-from step_ops import STEP_SIZE, TorchSGLDStep, check_same_step
+from step_ops import STEP_SIZE, TorchSGLDStep
 from torch.func import functional_call
 
 from pyro_flat.infer import (

@@ -33,7 +33,7 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_steps import LR, TorchBBB, TorchMAP, packed_torch
+from _svi_steps import PyroStep, TorchBBB, TorchMAP, check_same_step, packed_torch
 from _timing import environment
 from compiled import STEP_SIZE, Network
 from kl_ball_elbo import RADIUS, TorchKLBall
@@ -94,34 +94,12 @@ def pyro_model(network: Network, packed: bool):
     return model
 
 
-class PyroSVI:
-    """One ``TensorSVI`` step (it clears Pyro's parameter store: one Pyro step at a time)."""
-
-    def __init__(self, network: Network, loss, guide_class: type, packed: bool) -> None:
-        self.network = network
-        self.store = pyro.get_param_store()
-        self.store.clear()
-        model = pyro_model(network, packed)
-        options = {} if guide_class is AutoDelta else {"init_scale": 1e-3}
-        guide = guide_class(model, init_loc_fn=init_to_network(model), **options)
-        self.model, self.guide, self.loss = model, guide, loss
-        self.svi = TensorSVI(model, guide, pyro.optim.Adam({"lr": LR, "foreach": True}), loss)
-        guide(network.x, network.y, subsample_size=network.batch)
-
-    def __call__(self) -> torch.Tensor:
-        return self.svi.step(self.network.x, self.network.y, subsample_size=self.network.batch)
-
-    def loss_and_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The loss of one step and its gradients, in the order of the hand-written step's parameters (the parameter
-        store holds this step's parameters only: measure one step at a time)."""
-        loss = self.loss.differentiable_loss(self.model, self.guide, self.network.x, self.network.y,
-                                             subsample_size=self.network.batch)
-        names = [n for n in self.store.keys() if n.split(".")[1] == "locs"] + \
-                [n for n in self.store.keys() if n.split(".")[1] == "scales"]
-        if isinstance(self.guide, AutoDelta):
-            names = list(self.store.keys())
-        grads = torch.autograd.grad(loss, [self.store._params[n] for n in names])
-        return loss.detach(), list(grads)
+def pyro_svi(network: Network, loss, guide_class: type, packed: bool) -> PyroStep:
+    """One ``TensorSVI`` step (``pyro.optim.Adam`` with ``foreach=True``, as on a GPU)."""
+    options = {} if guide_class is AutoDelta else {"init_scale": 1e-3}
+    return PyroStep(pyro_model(network, packed), network.x, network.y, loss,
+                    lambda model: guide_class(model, init_loc_fn=init_to_network(model), **options), network.batch,
+                    svi_class=TensorSVI, foreach=True)
 
 
 class KernelStep:
@@ -175,32 +153,14 @@ def torch_sgld(network: Network, packed: bool) -> TorchSGLDStep:
 
 METHODS: dict[str, tuple] = {
     # name: (Pyro step factory (network, packed), hand-written class and options)
-    "MAP": (lambda n, p: PyroSVI(n, TensorTrace_ELBO(), AutoDelta, p), TorchMAP, {}),
-    "VI": (lambda n, p: PyroSVI(n, TensorTrace_ELBO(), AutoNormal, p), TorchBBB, {}),
-    "SAM": (lambda n, p: PyroSVI(n, SharpnessAwareELBO(RHO), AutoDelta, p), TorchMAP, {"rho": RHO}),
-    "F-VI": (lambda n, p: PyroSVI(n, SharpnessAwareELBO(RHO), AutoNormal, p), TorchBBBSAM, {}),
-    "KL ball": (lambda n, p: PyroSVI(n, KLBallELBO(RADIUS), AutoNormal, p), TorchKLBall, {}),
+    "MAP": (lambda n, p: pyro_svi(n, TensorTrace_ELBO(), AutoDelta, p), TorchMAP, {}),
+    "VI": (lambda n, p: pyro_svi(n, TensorTrace_ELBO(), AutoNormal, p), TorchBBB, {}),
+    "SAM": (lambda n, p: pyro_svi(n, SharpnessAwareELBO(RHO), AutoDelta, p), TorchMAP, {"rho": RHO}),
+    "F-VI": (lambda n, p: pyro_svi(n, SharpnessAwareELBO(RHO), AutoNormal, p), TorchBBBSAM, {}),
+    "KL ball": (lambda n, p: pyro_svi(n, KLBallELBO(RADIUS), AutoNormal, p), TorchKLBall, {}),
     "SGLD": (lambda n, p: KernelStep(n, SGLD, p), "sgld", {}),
     "Entropy-MCMC": (lambda n, p: KernelStep(n, EntropyMCMC, p, eta=ETA), None, {}),
 }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the same arithmetic
-
-
-def check_same_step(pyro_step: PyroSVI, torch_step_: TorchBBB, seed: int = 11) -> float:
-    """The largest relative difference between the loss and gradients of one Pyro step and one hand-written step
-    from the same seed (same minibatch, same noise)."""
-    pyro.set_rng_seed(seed)
-    loss, grads = pyro_step.loss_and_grads()
-    pyro.set_rng_seed(seed)
-    torch_loss = torch_step_.loss()
-    torch_grads = torch.autograd.grad(torch_loss, torch_step_.parameters())
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch_flat = torch.cat([g.reshape(-1) for g in torch_grads])
-    return max(((loss - torch_loss).abs() / torch_loss.abs()).item(),
-               ((flat - torch_flat).norm() / torch_flat.norm()).item())
 
 
 def measure(network: Network, methods: list[str], steps: int = 2) -> list[dict]:
@@ -217,18 +177,14 @@ def measure(network: Network, methods: list[str], steps: int = 2) -> list[dict]:
             elif torch_cls is not None:
                 hand = torch_step(network, torch_cls, packed, **options)
                 row[f"check {key}"] = check_same_step(step, hand)  # from the same start, before any step
-            row[f"pyro {key}"] = count(step, steps)
-            if isinstance(step, PyroSVI):
-                row[f"svi reads {key}"] = count(lambda s=step: _float_step(s), 1).reads
+            row[f"pyro {key}"] = count(getattr(step, "step", step), steps)
+            if isinstance(step, PyroStep):
+                row[f"svi reads {key}"] = count(lambda s=step: float(s.svi.step(s.x, s.y, subsample_size=s.batch)),
+                                                1).reads
             if hand is not None:
                 row[f"torch {key}"] = count(getattr(hand, "step", hand), steps)
         rows.append(row)
     return rows
-
-
-def _float_step(step: PyroSVI) -> float:
-    """``SVI.step``: the same step handing back a float (one host read)."""
-    return float(step())
 
 
 def ratio(row: dict) -> float | None:
