@@ -47,7 +47,7 @@ for _old in _TUTORIALS.glob("*.ipynb"):
 for _notebook in sorted((ROOT / "tutorials").glob("*.ipynb")):
     shutil.copy2(_notebook, _TUTORIALS / _notebook.name)
 
-exclude_patterns = ["_build", "results/*.md", "tutorials/.ipynb_checkpoints", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "tutorials/.ipynb_checkpoints", "**/.ipynb_checkpoints"]
 suppress_warnings = ["mystnb.unknown_mime_type"]
 
 # --- API reference -------------------------------------------------------------------------------------------------
