@@ -2,7 +2,9 @@
 
 Pages are MyST Markdown; the tutorials are rendered by MyST-NB with the outputs committed in the notebooks (nothing
 is executed at build time); the API reference is autosummary + autodoc over every public module. Intersphinx links
-to Pyro and PyTorch resolve through inventories committed in ``docs/_inventories`` (no network at build time).
+to Pyro and PyTorch resolve through inventories committed in ``docs/_inventories`` (no network at build time), and the
+maths is rendered by a copy of MathJax served with the pages (``sphinx-mathjax-offline``), so it reads without a
+network too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ extensions = [
     "sphinx.ext.mathjax",
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
+    "sphinx-mathjax-offline",  # MathJax 3 copied into _static/mathjax: formulas render without a network
 ]
 
 # --- MyST Markdown and notebooks -----------------------------------------------------------------------------------
@@ -37,6 +40,7 @@ myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
 nb_execution_mode = "off"  # the notebooks are committed with the outputs of a full run; never executed here
 nb_merge_streams = True
+mathjax_path = "mathjax/tex-chtml.js"  # the bundled copy (relative to _static), never a CDN
 
 # The tutorials live in the repository's tutorials/ folder; the build reads a copy (docs/tutorials is ignored by git).
 _TUTORIALS = DOCS / "tutorials"

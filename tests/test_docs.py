@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,27 @@ def test_conformance_page_is_the_rendering_of_the_suite_outcomes(script):
     # narrow enough to read: features and cases in rows, one column per group of methods with the same outcomes
     for line in table.summary(records).splitlines() + table.detail(records).splitlines():
         assert line.count("|") <= 16, line
+
+
+def test_maths_renders_without_a_network(tmp_path):
+    """The documentation's configuration serves MathJax with the pages: a page with maths loads it from _static, its
+    fonts and TeX extensions are there, and nothing on the page is fetched from another host."""
+    pytest.importorskip("sphinx")
+    source, out = tmp_path / "source", tmp_path / "html"
+    source.mkdir()
+    (source / "index.md").write_text("# Maths\n\nInline $\\rho$, and displayed:\n\n$$\\mathcal N(0, \\sigma^2)$$\n")
+    build = subprocess.run([sys.executable, "-m", "sphinx", "-q", "-W", "-b", "html", "-c", str(DOCS), str(source),
+                            str(out)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    html = (out / "index.html").read_text()
+    assets = re.findall(r'<(?:script|link|img)[^>]*(?:src|href)="([^"]+)"', html)
+    assert assets and not [a for a in assets if "//" in a], assets
+    (mathjax,) = [a for a in assets if "mathjax" in a]
+    assert (out / mathjax.split("?")[0]).is_file(), mathjax
+    static = out / "_static" / "mathjax"
+    assert list((static / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff"))
+    assert (static / "input" / "tex" / "extensions" / "boldsymbol.js").is_file()  # loaded on demand, locally
+    assert 'class="math' in html and "\\rho" in html
 
 
 def test_no_page_points_outside_the_repository():
