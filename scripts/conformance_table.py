@@ -28,7 +28,7 @@ START, END = "<!-- conformance:start -->", "<!-- conformance:end -->"
 PYRO_SUITE = ROOT / "results" / "conformance" / "pyro_suite.md"
 SYMBOL = {"pass": "✓", "refused": "R", "fail": "✗"}
 KEY = ("✓: every check passes on every case; R: refused — the method stops with an error naming the site and the "
-       "reason (e.g. discrete latents; SG-MCMC on local latents of a subsampled plate); ✓ R: some cases pass, some are "
+       "reason (e.g. discrete latents; SG-MCMC on local latents of a subsampled plate); ✓/R: some cases pass, some are "
        "refused; ✗: a check failed; –: no case.")
 
 
@@ -43,7 +43,7 @@ def _cell(outcomes: set[str]) -> str:
         return "–"
     if "fail" in outcomes:
         return "✗"
-    return " ".join(SYMBOL[o] for o in ("pass", "refused") if o in outcomes)
+    return "/".join(SYMBOL[o] for o in ("pass", "refused") if o in outcomes)
 
 
 def _catalogue() -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
@@ -97,7 +97,7 @@ def method_key(records: list[dict]) -> str:
 
 def summary(records: list[dict]) -> str:
     """Model features (rows) x method groups (columns): ✓ (every check passes on every case with the feature), R
-    (refused with a clear error naming the site), ✓ R (some cases of the feature are refused), ✗ (a check failed),
+    (refused with a clear error naming the site), ✓/R (some cases of the feature are refused), ✗ (a check failed),
     – (no case)."""
     features, descriptions = _catalogue()
     lines = _table(records, "feature", list(descriptions.items()))

@@ -1,6 +1,9 @@
 """The documentation stays true: generated pages equal their generators' output, and the code on the guide and
 method pages runs (the Sphinx build itself runs in CI with warnings as errors, after the tests)."""
 
+import importlib
+import importlib.util
+import inspect
 import json
 import re
 import shutil
@@ -79,6 +82,28 @@ def test_maths_renders_without_a_network(tmp_path):
     assert list((static / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff"))
     assert (static / "input" / "tex" / "extensions" / "boldsymbol.js").is_file()  # loaded on demand, locally
     assert 'class="math' in html and "\\rho" in html
+    assert any(a.startswith("_static/wrap-code.css") for a in assets)  # long code lines wrap
+    assert (out / "_static" / "wrap-code.css").is_file()
+
+
+def test_api_reference_documents_each_object_once_at_its_public_path():
+    spec = importlib.util.spec_from_file_location("docs_conf", DOCS / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    documented = {f"{module}.{name}": getattr(importlib.import_module(module), name)
+                  for module, page in conf.API_PAGES.items() for name in page["classes"] + page["functions"]}
+    assert len({id(obj) for obj in documented.values()}) == len(documented)  # each object on one page
+    assert "pyro_flat.infer.SharpnessAwareELBO" in documented
+    assert "pyro_flat.infer.elbo.sharpness_aware.SharpnessAwareELBO" not in documented
+    assert ("SharpnessAwareELBO", "pyro_flat.infer.SharpnessAwareELBO") in \
+        conf.API_PAGES["pyro_flat.infer.elbo.sharpness_aware"]["elsewhere"]
+    assert conf.PUBLIC_PATHS["pyro_flat.infer.mcmc.SGLD"] == "pyro_flat.infer.SGLD"
+    for package in conf.API_PACKAGES:  # everything a package exports is documented somewhere
+        module = importlib.import_module(package)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                assert any(obj is other for other in documented.values()), f"{package}.{name}"
 
 
 def test_no_page_points_outside_the_repository():
