@@ -238,6 +238,7 @@ def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: st
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [r for r in records if r["dataset"] == dataset]
     pairs = flat_base_pairs(list(dict.fromkeys(r["method"] for r in rows)))
@@ -245,7 +246,8 @@ def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: st
         return False
     value = {(r["method"], r["seed"]): r["metrics"] for r in rows}
     metrics = [m for m in FLAT_VS_BASE_METRICS if any(m[0] in v for v in value.values())]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(2.4 * len(metrics) + 1.2, 1.8 + 0.3 * len(pairs)),
+    # sized to be read where the documentation shows it (about 750 px wide) as well as at full size
+    fig, axes = plt.subplots(1, len(metrics), figsize=(1.45 * len(metrics) + 1.4, 1.5 + 0.27 * len(pairs)),
                              sharey=True, squeeze=False, layout="constrained")
     positions = range(len(pairs))[::-1]  # the first pair on top
     for (key, label, scale, lower_is_better), ax in zip(metrics, axes[0], strict=True):
@@ -266,13 +268,14 @@ def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: st
         ax.axvspan(-limit if lower_is_better else 0, 0 if lower_is_better else limit, color="tab:green", alpha=0.08)
         ax.axvline(0, color="0.3", linewidth=0.8)
         arrow = "← flat better" if lower_is_better else "flat better →"
-        ax.set_xlabel(f"flat − base\n{arrow}", fontsize=8)
-        ax.set_title(label, fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.set_xlabel(f"flat − base\n{arrow}", fontsize=7)
+        ax.set_title(label, fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=3, symmetric=True))
+        ax.tick_params(labelsize=6)
         ax.grid(axis="y", color="0.9", linewidth=0.5)
-    axes[0][0].set_yticks(list(positions), [f"{flat} − {base}" for flat, base in pairs], fontsize=7)
+    axes[0][0].set_yticks(list(positions), [f"{flat} − {base}" for flat, base in pairs], fontsize=6.5)
     axes[0][0].set_ylim(-0.7, len(pairs) - 0.3)
-    fig.suptitle(f"{dataset}: each flat method minus its base; dots: seeds, diamond: mean ± sd over seeds", fontsize=9)
-    fig.savefig(path, dpi=100)
+    fig.suptitle(f"{dataset}: flat method minus its base; dots: seeds, diamond: mean ± sd", fontsize=8)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
