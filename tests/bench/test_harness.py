@@ -133,6 +133,17 @@ def test_cli_bad_input(argv, match, tmp_path, monkeypatch, capsys):
     assert "Traceback" not in err and not list(tmp_path.iterdir())
 
 
+def test_cli_missing_data_files_is_a_one_line_error(tmp_path, capsys):
+    # the folder exists but holds no CIFAR files: found when the data set is read, still one line and exit status 2
+    (tmp_path / "data").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--datasets", "cifar10", "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+              "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(tmp_path / "data" / "cifar-10-batches-py") in err, err
+
+
 def test_every_declared_option_has_a_kind():
     from pyro_flat.bench.registry import OPTION_KINDS, check_method_options
 
