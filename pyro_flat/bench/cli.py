@@ -301,29 +301,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_recipe(args.name, args, config_changes(args), options, command)
             except ValueError as err:
                 command_parser.error(str(err))
-            return 0
-        methods = list(METHODS) if args.methods == ["all"] else args.methods
-        for name in methods:
-            if name not in METHODS:
-                command_parser.error(f"unknown method {name!r}; known methods: {', '.join(METHODS)} (or 'all')")
-        for name in args.datasets:
-            if name not in dataset_names():
-                command_parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")
-            if name in VISION_DATASETS and args.data_root is None:
-                command_parser.error(f"dataset {name!r} is read from a local folder: pass --data-root DIR (python -m "
-                                     "pyro_flat data synthetic-cifar DIR writes a stand-in CIFAR folder)")
-        try:
-            config = PRESETS[args.preset].replace(options=options, **config_changes(args))
-        except ValueError as err:
-            command_parser.error(str(err))
-        config = init_distributed(config)
-        try:
-            run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
-        finally:
-            _shutdown_distributed()
+        else:
+            bench_command(command_parser, args, options, command)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as err:
         command_parser.error(str(err))  # a data file or folder the run reads (the message names it)
     return 0
+
+
+def bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace, options: dict[str, dict[str, object]],
+          command: str) -> None:
+    """The ``bench`` command: check the names and the configuration, then run and report."""
+    methods = list(METHODS) if args.methods == ["all"] else args.methods
+    for name in methods:
+        if name not in METHODS:
+            parser.error(f"unknown method {name!r}; known methods: {', '.join(METHODS)} (or 'all')")
+    for name in args.datasets:
+        if name not in dataset_names():
+            parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")
+        if name in VISION_DATASETS and args.data_root is None:
+            parser.error(f"dataset {name!r} is read from a local folder: pass --data-root DIR (python -m pyro_flat "
+                         "data synthetic-cifar DIR writes a stand-in CIFAR folder)")
+    try:
+        config = PRESETS[args.preset].replace(options=options, **config_changes(args))
+    except ValueError as err:
+        parser.error(str(err))
+    config = init_distributed(config)
+    try:
+        run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
+    finally:
+        _shutdown_distributed()
 
 
 def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
