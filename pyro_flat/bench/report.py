@@ -153,7 +153,7 @@ def plot_curves(path: Path, records: Sequence[RunRecord]) -> bool:
                 if points:
                     label = f"phase {phase}" if len(phases) > 1 and r is runs[0] else None
                     ax.plot(*zip(*points, strict=True), color=f"C{i % 10}", alpha=0.8, linewidth=1, marker=".",
-                            markersize=3, label=label)
+                            markersize=4, label=label)
         ax.set_title(f"{method} ({len(runs)} seed{'s' if len(runs) > 1 else ''})", fontsize=9)
         ax.set_xlabel("epoch of the phase", fontsize=8)
         ax.set_ylabel(LOSS_LABELS.get(loops.pop(), "training loss") if len(loops) == 1 else "training loss",
