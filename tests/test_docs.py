@@ -1,8 +1,14 @@
 """The documentation stays true: generated pages equal their generators' output, and the code on the guide and
 method pages runs (the Sphinx build itself runs in CI with warnings as errors, after the tests)."""
 
+import importlib
+import importlib.util
+import inspect
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,33 +17,93 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 # pages whose Python blocks form one runnable script (other pages show fragments)
-RUNNABLE = ["guide/quickstart.md", "guide/your-own-model.md", "methods/sharpness-aware.md", "methods/kl-ball.md",
-            "methods/trajectories.md", "methods/sgmcmc.md"]
+RUNNABLE = ["guide/quickstart.md", "guide/your-own-model.md", "guide/which-method.md", "methods/sharpness-aware.md",
+            "methods/kl-ball.md", "methods/trajectories.md", "methods/sgmcmc.md"]
 
 
-def test_result_pages_are_the_rendering_of_the_results(script):
-    pages = script("results_pages").pages()
-    assert len(pages) >= 10
+def test_result_sections_are_the_rendering_of_the_declared_runs(script):
+    generator = script("results_pages")
+    pages = generator.pages()
+    assert len(pages) >= 6
     for path, text in pages.items():
         assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run python scripts/results_pages.py"
-    committed = set(DOCS.glob("results/*.md"))
-    assert committed == set(pages), "a page in docs/results/ has no source under results/"
+    shown = {source for page in pages for source in generator.sources(page)}
+    declared = {f"results/{run}/results.json" for run in generator.HARNESS_RUNS}
+    declared |= {f"results/{run}" for run in generator.TRANSFER_RUNS}
+    assert declared | {generator.SUMMARY} <= shown, "a declared run is shown on no page"
+    for page, text in pages.items():
+        for figure in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
+            assert (page.parent / figure).is_file(), (page.name, figure)
 
 
-def test_every_result_page_is_shown_and_every_figure_exists():
-    text = "".join(p.read_text() for p in DOCS.glob("**/*.md") if "results" not in p.parts)
-    for page in DOCS.glob("results/*.md"):
-        assert f"results/{page.name}" in text, f"{page.name} is included by no page"
-        for figure in re.findall(r"!\[[^]]*\]\(\.\./\.\./([^)]+)\)", page.read_text()):
-            assert (ROOT / figure).is_file(), figure
+def test_pages_render_on_the_repository_too():
+    # no MyST include on a page: the repository's viewer shows the directive itself, not the included text
+    for page in DOCS.glob("**/*.md"):
+        if "_build" not in page.parts:
+            assert "{include}" not in page.read_text(), page.relative_to(ROOT)
+
+
+def test_every_committed_harness_run_is_declared(script):
+    git = shutil.which("git")
+    listed = subprocess.run([git, "ls-files", "results"], cwd=ROOT, capture_output=True, text=True) if git else None
+    if listed is None or listed.returncode != 0:
+        pytest.skip("not a git checkout: the committed runs cannot be listed")
+    committed = {Path(p).parent.relative_to("results").as_posix() for p in listed.stdout.split()
+                 if p.endswith("/results.json")}
+    assert committed == set(script("results_pages").HARNESS_RUNS)
 
 
 def test_conformance_page_is_the_rendering_of_the_suite_outcomes(script):
     table = script("conformance_table")
     records = json.loads(table.OUTCOMES.read_text())
-    page = table.PAGE.read_text()
-    assert table.summary(records) in page and table.detail(records) in page
+    assert table.PAGE.read_text() == table.page(records), "run python scripts/conformance_table.py --no-run"
     assert not [r for r in records if r["outcome"] == "fail"]
+    # narrow enough to read: features and cases in rows, one column per group of methods with the same outcomes
+    for line in table.summary(records).splitlines() + table.detail(records).splitlines():
+        assert line.count("|") <= 16, line
+
+
+def test_maths_renders_without_a_network(tmp_path):
+    """The documentation's configuration serves MathJax with the pages: a page with maths loads it from _static, its
+    fonts and TeX extensions are there, and nothing on the page is fetched from another host."""
+    pytest.importorskip("sphinx")
+    source, out = tmp_path / "source", tmp_path / "html"
+    source.mkdir()
+    (source / "index.md").write_text("# Maths\n\nInline $\\rho$, and displayed:\n\n$$\\mathcal N(0, \\sigma^2)$$\n")
+    build = subprocess.run([sys.executable, "-m", "sphinx", "-q", "-W", "-b", "html", "-c", str(DOCS), str(source),
+                            str(out)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    html = (out / "index.html").read_text()
+    assets = re.findall(r'<(?:script|link|img)[^>]*(?:src|href)="([^"]+)"', html)
+    assert assets and not [a for a in assets if "//" in a], assets
+    (mathjax,) = [a for a in assets if "mathjax" in a]
+    assert (out / mathjax.split("?")[0]).is_file(), mathjax
+    static = out / "_static" / "mathjax"
+    assert list((static / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff"))
+    assert (static / "input" / "tex" / "extensions" / "boldsymbol.js").is_file()  # loaded on demand, locally
+    assert 'class="math' in html and "\\rho" in html
+    assert any(a.startswith("_static/wrap-code.css") for a in assets)  # long code lines wrap
+    assert (out / "_static" / "wrap-code.css").is_file()
+
+
+def test_api_reference_documents_each_object_once_at_its_public_path():
+    spec = importlib.util.spec_from_file_location("docs_conf", DOCS / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    documented = {f"{module}.{name}": getattr(importlib.import_module(module), name)
+                  for module, page in conf.API_PAGES.items() for name in page["classes"] + page["functions"]}
+    assert len({id(obj) for obj in documented.values()}) == len(documented)  # each object on one page
+    assert "pyro_flat.infer.SharpnessAwareELBO" in documented
+    assert "pyro_flat.infer.elbo.sharpness_aware.SharpnessAwareELBO" not in documented
+    assert ("SharpnessAwareELBO", "pyro_flat.infer.SharpnessAwareELBO") in \
+        conf.API_PAGES["pyro_flat.infer.elbo.sharpness_aware"]["elsewhere"]
+    assert conf.PUBLIC_PATHS["pyro_flat.infer.mcmc.SGLD"] == "pyro_flat.infer.SGLD"
+    for package in conf.API_PACKAGES:  # everything a package exports is documented somewhere
+        module = importlib.import_module(package)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                assert any(obj is other for other in documented.values()), f"{package}.{name}"
 
 
 def test_no_page_points_outside_the_repository():
@@ -57,3 +123,8 @@ def test_page_code_runs(page, monkeypatch, capsys):
     if page == "guide/your-own-model.md":  # the fits learned (two moons: chance is 0.5)
         assert "flat VI  acc" in capsys.readouterr().out
         assert namespace["report"]["acc"] > 0.8
+    if page == "guide/which-method.md":  # the page's claim: VI recovers the exact sd, the flat posterior is narrower
+        exact, vi, flat = (float(namespace[k].mean()) for k in ("exact_sd", "vi_sd", "flat_sd"))
+        # one seed, 1500 one-sample steps: VI came within 1 % of exact and SA-ELBO 37 % below it; the bounds leave
+        # room for the optimiser's noise and are far from both
+        assert abs(vi / exact - 1) < 0.1 and flat < 0.8 * exact, (exact, vi, flat)

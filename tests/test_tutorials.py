@@ -64,6 +64,10 @@ for radius in (1e-2, 1e-4):  # exact Fisher: on the ball, to second order
 }
 
 
+FIGURE_CALLS = ("plt.", "subplots(", "reliability_diagram(")
+"""What draws a figure in the tutorials."""
+
+
 def test_every_tutorial_has_smoke_sizes_and_checks():
     assert NOTEBOOKS
     assert {p.name for p in NOTEBOOKS} == set(SMOKE) == set(CHECKS)
@@ -78,6 +82,10 @@ def test_committed_with_the_outputs_of_one_run(path):
     outputs = [out for cell in code for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
     assert any("image/png" in out.get("data", {}) for out in outputs)
+    # every cell that draws a figure shows it (a figure pyplot does not manage is shown only as the cell's value)
+    for cell in code:
+        if any(call in cell.source for call in FIGURE_CALLS):
+            assert any("image/png" in out.get("data", {}) for out in cell.outputs), cell.source.splitlines()[-1]
     # no test scaffolding in what the reader sees
     text = "\n".join(cell.source for cell in code)
     assert "assert " not in text and "SMOKE" not in text and "environ" not in text

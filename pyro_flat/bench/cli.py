@@ -1,5 +1,8 @@
-"""Command line of the comparison harness: ``python -m pyro_flat bench ...``, ``python -m pyro_flat recipe ...`` and
-``python -m pyro_flat list``.
+"""Command line of the comparison harness: ``python -m pyro_flat bench ...``, ``python -m pyro_flat recipe ...``,
+``python -m pyro_flat list`` and ``python -m pyro_flat data synthetic-cifar DIR``.
+
+A user error (a bad flag or value, a missing folder or file) ends in one line on stderr, ``prog: error: ...``, and
+exit status 2, before any training starts where it can be known then.
 
 Under ``torchrun`` (``WORLD_SIZE`` set, even to 1) ``bench`` and ``recipe`` run data-parallel: one process per device
 (``cuda:LOCAL_RANK`` with NCCL for ``--device cuda``, gloo on CPU), each on its shard of every minibatch; rank 0
@@ -16,8 +19,10 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from .. import __version__
+from ..data import VISION_DATASETS
 from .config import LATENT_CHOICES, PRESETS, RunConfig
 from .loop import OutputFolderError, output_lock
 from .options import check_option_values
@@ -37,8 +42,19 @@ The pyro_flat comparison harness. bench trains every chosen method on every chos
 markdown table (mean and std over seeds), results.json (every seed's metrics, the configuration, the environment), a
 per-epoch log, learning curves, reliability diagrams and a figure of each flat method against its non-flat base; the
 presets are explained by python -m pyro_flat bench --help. recipe runs a seed paper's headline experiment and writes
-the paper's numbers beside ours. list shows the methods, datasets, models and recipes.
+the paper's numbers beside ours. list shows the methods, datasets, models and recipes. data synthetic-cifar writes a
+stand-in CIFAR folder (random images in the real on-disk format) for trying the image datasets and recipes.
 """
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: message (see prog --help)`` on stderr, exit status 2."""
+
+    commands: dict[str, argparse.ArgumentParser]
+    """The parser of each command (``bench``, ``recipe``, ``data``), for errors found after parsing."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def _parse_option(text: str) -> tuple[str, str, object]:
@@ -126,12 +142,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     from . import methods as _methods  # noqa: F401  (fills the registry)
     from .recipes import RECIPES
 
-    parser = argparse.ArgumentParser(prog="python -m pyro_flat", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m pyro_flat", description=DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pyro_flat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the registered methods (and the base of each flat one), datasets, models and "
@@ -155,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--seeds", type=int, default=None, help="number of seeds (default: the recipe's)")
     recipe.add_argument("--out", type=Path, required=True, help="output folder")
     _add_run_arguments(recipe)
+    data = sub.add_parser("data", help="write data sets to try the harness without downloads")
+    kinds = data.add_subparsers(dest="kind", required=True)
+    cifar = kinds.add_parser("synthetic-cifar", help="a stand-in CIFAR-10/100 folder: random 32x32 images with a "
+                             "colour per class, in the real on-disk format (for --data-root)",
+                             description="Write a stand-in CIFAR folder (pyro_flat.data.write_synthetic_cifar): random "
+                             "32x32 images with a colour offset per class, in the real on-disk format, so that "
+                             "--datasets cifar10 and the recipes run without the real data (nothing is downloaded).")
+    cifar.add_argument("root", type=Path, metavar="DIR", help="the data root to pass as --data-root DIR")
+    cifar.add_argument("--dataset", choices=["cifar10", "cifar100"], default="cifar10")
+    cifar.add_argument("--num-train", type=int, default=500, help="training images (default 500)")
+    cifar.add_argument("--num-test", type=int, default=100, help="test images (default 100)")
+    cifar.add_argument("--seed", type=int, default=0, help="seed of the images and labels (default 0)")
+    parser.commands = {"bench": bench, "recipe": recipe, "data": cifar}
     return parser
 
 
@@ -211,7 +240,7 @@ def run_and_report(
     command: str,
 ) -> list:
     """Run the jobs (checkpointed under ``out/checkpoints`` with ``--checkpoint-every``/``--resume``) and write the
-    table, JSON, per-epoch log, curves and reliability diagrams (rank 0)."""
+    table, JSON, per-epoch log and the figures there are data for (rank 0), and say which files were written."""
     import torch.distributed as dist
 
     from .loop import atomic_write_text
@@ -234,12 +263,18 @@ def run_and_report(
     print(table)
     atomic_write_text(out / "table.md", f"`{command}`\n\n{table}\n")
     write_json(out / "results.json", records, config, command)
+    written = ["table.md", "results.json", "metrics.jsonl"]
     for dataset in datasets:
         chosen = [r for r in records if r.dataset == dataset]
-        plot_reliability(out / f"reliability_{dataset}.png", chosen)
-        plot_curves(out / f"curves_{dataset}.png", chosen)
-        plot_flat_vs_base(out / f"flat_vs_base_{dataset}.png", [record_dict(r) for r in chosen], dataset)
-    print(f"wrote {out}/table.md, results.json, metrics.jsonl, curves_*.png, reliability_*.png and flat_vs_base_*.png")
+        names = (f"reliability_{dataset}.png", f"curves_{dataset}.png", f"flat_vs_base_{dataset}.png")
+        drawn = (plot_reliability(out / names[0], chosen), plot_curves(out / names[1], chosen),
+                 plot_flat_vs_base(out / names[2], [record_dict(r) for r in chosen], dataset))
+        for name, was_drawn in zip(names, drawn, strict=True):
+            if was_drawn:
+                written.append(name)
+            else:  # nothing to draw in this run: no figure of an earlier run in the same folder stays behind
+                (out / name).unlink(missing_ok=True)
+    print(f"wrote {out}/: {', '.join(written)}")
     return records
 
 
@@ -259,21 +294,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         for recipe in RECIPES.values():
             print(f"  {recipe.name:<22} {recipe.title}")
         return 0
+    command_parser = parser.commands[args.command]
+    if args.command == "data":
+        return write_data(command_parser, args)
     command = "python -m pyro_flat " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    if args.seeds is not None and args.seeds < 1:
-        parser.error(f"--seeds must be >= 1, got {args.seeds}")
-    if args.checkpoint_every < 0:
-        parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
-    options = method_options(parser, args)
-    if args.command == "recipe":
-        from .recipes import run_recipe
+    check_run_arguments(command_parser, args)
+    options = method_options(command_parser, args)
+    try:
+        if args.command == "recipe":
+            from .recipes import run_recipe
 
-        try:
-            run_recipe(args.name, args, config_changes(args), options, command)
-        except ValueError as err:
-            parser.error(str(err))
-        return 0
+            try:
+                run_recipe(args.name, args, config_changes(args), options, command)
+            except ValueError as err:
+                command_parser.error(str(err))
+        else:
+            bench_command(command_parser, args, options, command)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as err:
+        command_parser.error(str(err))  # a data file or folder the run reads (the message names it)
+    return 0
 
+
+def bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace, options: dict[str, dict[str, object]],
+          command: str) -> None:
+    """The ``bench`` command: check the names and the configuration, then run and report."""
     methods = list(METHODS) if args.methods == ["all"] else args.methods
     for name in methods:
         if name not in METHODS:
@@ -281,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.datasets:
         if name not in dataset_names():
             parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")
+        if name in VISION_DATASETS and args.data_root is None:
+            parser.error(f"dataset {name!r} is read from a local folder: pass --data-root DIR (python -m pyro_flat "
+                         "data synthetic-cifar DIR writes a stand-in CIFAR folder)")
     try:
         config = PRESETS[args.preset].replace(options=options, **config_changes(args))
         check_option_values(config, methods)  # every job's option values, before the first job starts
@@ -294,6 +341,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     finally:
         _shutdown_distributed()
+
+
+def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, the ``bench``/``recipe`` flags whose values are wrong on their own: counts, and
+    the folders and files they name."""
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.data_root is not None and not Path(args.data_root).is_dir():
+        parser.error(f"--data-root {args.data_root}: no such folder")
+    if args.pretrained is not None and not Path(args.pretrained).is_file():
+        parser.error(f"--pretrained {args.pretrained}: no such file")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: exists and is not a folder")
+
+
+def write_data(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``data synthetic-cifar DIR``: write the stand-in CIFAR folder and say how to use it."""
+    from ..data import write_synthetic_cifar
+
+    for flag, value in (("--num-train", args.num_train), ("--num-test", args.num_test)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.root.exists() and not args.root.is_dir():
+        parser.error(f"{args.root}: exists and is not a folder")
+    folder = write_synthetic_cifar(args.root, args.dataset, num_train=args.num_train, num_test=args.num_test,
+                                   seed=args.seed)
+    print(f"wrote {folder} ({args.num_train} training and {args.num_test} test images of random noise with a colour "
+          f"per class, in the real {args.dataset} format); use it with --data-root {args.root}, e.g. python -m "
+          f"pyro_flat bench --datasets {args.dataset} --model resnet18 --width 4 --epochs 1 --data-root {args.root}")
     return 0
 
 

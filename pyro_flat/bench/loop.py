@@ -697,7 +697,7 @@ class TrainingLoop:
         if mean is not None and not math.isfinite(mean):
             raise FloatingPointError(f"{ctx.label}: the mean loss of the epoch ending at step {step} is {mean}")
         entry = {"job": ctx.label, "phase": self.phase, "epoch": (step + 1) // self.problem.steps_per_epoch,
-                 "step": step + 1, "loss": mean, "seconds": round(seconds, 3)}
+                 "step": step + 1, "loss": mean, "seconds": round(seconds, 3), "loop": self.name}
         ctx.entries.append(entry)
         if ctx.log is not None and ctx.is_writer:
             ctx.log(entry)

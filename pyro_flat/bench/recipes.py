@@ -342,12 +342,45 @@ def _cell(mean_std: tuple[float, float] | None, fmt: str) -> str:
     return fmt.format(mean) + ("" if math.isnan(std) else " ± " + fmt.format(std))
 
 
-def recipe_table(recipe: Recipe, summaries: Mapping[str, list[dict]]) -> str:
-    """The markdown table: per stage and method, the paper's figures (with their setting) and ours."""
+def network_name(config: RunConfig) -> str:
+    """The network a configuration builds, as the papers name it (``"WRN-28-10"``, ``"ResNet-18 (width 4)"``)."""
+    if config.model == "wrn":
+        return f"WRN-{config.depth or 28}-{config.width or 10}"
+    width = f" (width {config.width})" if config.width not in (None, 16 if config.model == "preresnet" else 64) else ""
+    if config.model == "preresnet":
+        return f"PreResNet-{config.depth or 20}{width}"
+    if config.model == "resnet18":
+        return f"ResNet-18{width}"
+    if config.model == "resnet18_imagenet":
+        return "ResNet-18 (ImageNet)"
+    return f"{config.model.upper()} {'-'.join(map(str, config.hidden))}"
+
+
+def recipe_table(
+    recipe: Recipe, summaries: Mapping[str, list[dict]], configs: Mapping[str, RunConfig] | None = None
+) -> str:
+    """The markdown table: per stage and method, the paper's figures (with their setting) and ours.
+
+    :param configs: the configuration each stage ran with; where it is not the paper preset's (the smoke preset, or
+        flags that change the network or budget), the table names the network that ran and the budget it had, and
+        quotes the recipe's own description and cost as the paper preset's.
+    """
+    configs = dict(configs or {})
+    changed = {}
+    for stage in recipe.stages:
+        ran = configs.get(stage.name)
+        if ran is not None:
+            paper = RunConfig(**dict(stage.config))
+            budget = ("num_epochs", "batch_size", "shots", "num_bma_samples")
+            if network_name(ran) != network_name(paper) or any(getattr(ran, k) != getattr(paper, k) for k in budget):
+                changed[stage.name] = ran
     lines = [f"**{recipe.title}** — {recipe.reference}", "",
              "| stage | network | dataset | method | paper: acc (%) | NLL | ECE | paper's setting "
              "| ours: acc (%) | NLL | ECE | λ_max |", "|---" * 12 + "|"]
     for stage in recipe.stages:
+        network = stage.network
+        if stage.name in changed and network_name(changed[stage.name]) != network_name(RunConfig(**dict(stage.config))):
+            network = f"{network_name(changed[stage.name])}; paper preset: {stage.network}"
         for row in summaries.get(stage.name, []):
             paper = [p for p in recipe.paper if p.stage == stage.name and p.method == row["method"]
                      and p.dataset == row["dataset"]]
@@ -357,9 +390,19 @@ def recipe_table(recipe: Recipe, summaries: Mapping[str, list[dict]]) -> str:
             ours = [_cell(row.get("acc"), "{:.2f}"), _cell(row.get("nll"), "{:.4f}"), _cell(row.get("ece"), "{:.4f}"),
                     _cell(row.get("lambda_max"), "{:.3g}")]
             setting = "" if p is None else f"{p.label}: {p.setting}"
-            lines.append(f"| {stage.name} | {stage.network} | {row['dataset']} | {row['method']} | "
+            lines.append(f"| {stage.name} | {network} | {row['dataset']} | {row['method']} | "
                          + " | ".join(figures) + f" | {setting} | " + " | ".join(ours) + " |")
-    lines += ["", *[f"* {note}" for note in recipe.notes], f"* Expected cost: {recipe.gpu_hours}."]
+    notes = list(recipe.notes)
+    cost = f"Expected cost: {recipe.gpu_hours}."
+    if changed:
+        ran = "; ".join(f"{name}: {network_name(c)}, {c.num_epochs} epochs, batch {c.batch_size}, "
+                        + ("" if c.shots is None else f"{c.shots} shots per class, ")
+                        + f"{c.num_bma_samples} BMA draws" for name, c in changed.items())
+        notes = [f"This run is not the paper preset — {ran}: a check that the pipeline runs, not the paper's "
+                 "experiment; compare nothing in it with the paper column."] + [
+            f"The paper preset: {note[len('Ours: '):]}" if note.startswith("Ours: ") else note for note in notes]
+        cost = f"Expected cost of the paper preset: {recipe.gpu_hours}."
+    lines += ["", *[f"* {note}" for note in notes], f"* {cost}"]
     return "\n".join(lines) + "\n"
 
 
@@ -379,15 +422,17 @@ def run_recipe(
     out: Path = args.out
     setups = check_recipe(recipe, args.preset, changes, options, out)
     summaries: dict[str, list[dict]] = {}
+    configs: dict[str, RunConfig] = {}
     try:
         setups = [(init_distributed(config), methods) for config, methods in setups]
         with output_lock(out):  # one run at a time writes to `out` (and its stages' folders)
             for stage, (config, methods) in zip(recipe.stages, setups, strict=True):
+                configs[stage.name] = config
                 records = run_and_report(stage.datasets, methods, seeds, config, out / stage.name, args,
                                          f"{command}  [stage {stage.name}]")
                 summaries[stage.name] = summarise(records) if records else []
             if world()[0] == 0:
-                table = recipe_table(recipe, summaries)
+                table = recipe_table(recipe, summaries, configs)
                 print(table)
                 atomic_write_text(out / "table.md", f"`{command}`\n\n{table}")
                 atomic_write_text(out / "recipe.json", json.dumps(

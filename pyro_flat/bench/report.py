@@ -113,44 +113,73 @@ def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, comm
     atomic_write_text(path, json.dumps(payload, indent=1))
 
 
-def plot_curves(path: Path, records: Sequence[RunRecord]) -> None:
-    """The per-epoch mean training loss of one dataset's runs, one panel per method (the methods' losses have
-    different scales: full-data ELBOs, mean losses) with a line per seed and training phase, as PNG; nothing is
-    written when no record has epoch entries."""
+LOSS_LABELS = {
+    "svi": "−ELBO, full data (SVI loss)",
+    "svi (DDP)": "−ELBO, full data (SVI loss)",
+    "SAM": "−log joint / N, minibatch",
+    "BayesianSAM": "mean NLL, minibatch",
+}
+"""What the loss of each kind of training loop is (``entry["loop"]``, the loop's name): the losses of the methods
+differ in scale by orders of magnitude, so each panel says which one it shows."""
+
+
+def plot_curves(path: Path, records: Sequence[RunRecord]) -> bool:
+    """The per-epoch mean training loss of one dataset's runs, as PNG: one panel per method with its own y axis
+    labelled with what the loss is (:data:`LOSS_LABELS`: full-data −ELBOs and per-datum losses differ by orders of
+    magnitude), a colour per training phase (an ensemble's members, HWA's pre-training and cycles) and a line per
+    seed; the methods that log no loss (the samplers) are named under the panels. Returns ``False`` (and writes
+    nothing) when no record has a loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     curves = [r for r in records if any(e.get("loss") is not None for e in r.entries)]
     if not curves:
-        return
+        return False
     methods = list(dict.fromkeys(r.method for r in curves))
+    silent = [m for m in dict.fromkeys(r.method for r in records) if m not in methods]
     cols = min(4, len(methods))
     rows = math.ceil(len(methods) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.7 * rows + 0.6), squeeze=False, layout="constrained")
     for ax, method in zip(axes.flat, methods, strict=False):
-        for r in (r for r in curves if r.method == method):
-            for phase in dict.fromkeys(e["phase"] for e in r.entries):
+        runs = [r for r in curves if r.method == method]
+        phases = list(dict.fromkeys(e["phase"] for r in runs for e in r.entries if e.get("loss") is not None))
+        loops = {e.get("loop") for r in runs for e in r.entries if e.get("loss") is not None}
+        for r in runs:
+            for i, phase in enumerate(phases):
                 points = [(e["epoch"], e["loss"]) for e in r.entries if e["phase"] == phase and e["loss"] is not None]
                 if points:
-                    ax.plot(*zip(*points, strict=True), marker=".", label=f"seed {r.seed}, phase {phase}")
-        ax.set_title(method, fontsize=9)
-        ax.set_xlabel("epoch", fontsize=8)
+                    label = f"phase {phase}" if len(phases) > 1 and r is runs[0] else None
+                    ax.plot(*zip(*points, strict=True), color=f"C{i % 10}", alpha=0.8, linewidth=1, marker=".",
+                            markersize=4, label=label)
+        ax.set_title(f"{method} ({len(runs)} seed{'s' if len(runs) > 1 else ''})", fontsize=9)
+        ax.set_xlabel("epoch of the phase", fontsize=8)
+        ax.set_ylabel(LOSS_LABELS.get(loops.pop(), "training loss") if len(loops) == 1 else "training loss",
+                      fontsize=8)
+        ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
+        if len(phases) > 1:
+            ax.legend(fontsize=6, ncol=2, title="colour: phase", title_fontsize=6)
     for ax in list(axes.flat)[len(methods) :]:
         ax.axis("off")
-    fig.suptitle(f"{curves[0].dataset}: mean training loss per step, by epoch", fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(f"{curves[0].dataset}: mean training loss per epoch; a line per seed, a colour per training phase "
+                 "(an ensemble's members; HWA's pre-training, then its cycles)", fontsize=10)
+    if silent:
+        fig.supxlabel("no loss logged (samplers record draws, not a loss): " + ", ".join(silent), fontsize=8)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def plot_reliability(
     path: Path, records: Sequence[RunRecord], data: ClassificationData | None = None, num_bins: int = 15
-) -> None:
+) -> bool:
     """One reliability diagram per method (first seed) for one dataset, side by side, saved as PNG (the labels are
-    the records' ``test_labels``, or ``data.y_test``)."""
+    the records' ``test_labels``, or ``data.y_test``). Returns ``False`` (and writes nothing) when no record kept its
+    test probabilities."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,28 +192,30 @@ def plot_reliability(
         if r.test_probs is not None:
             firsts.setdefault(r.method, r)
     if not firsts:
-        return
+        return False
     cols = min(4, len(firsts))
     rows = math.ceil(len(firsts) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.7 * rows), squeeze=False, layout="constrained")
     first = next(iter(firsts.values()))
     y = (first.test_labels if data is None else data.y_test).cpu()
     for ax, (method, r) in zip(axes.flat, firsts.items(), strict=False):
-        reliability_diagram(r.test_probs, y, num_bins=num_bins, ax=ax, label=method)
-        ax.set_title(f"{r.dataset}: {method}")
+        reliability_diagram(r.test_probs, y, num_bins=num_bins, ax=ax)
+        ax.set_title(f"{method} (seed {r.seed})", fontsize=9)
     for ax in list(axes.flat)[len(firsts) :]:
         ax.axis("off")
-    fig.tight_layout()
+    fig.suptitle(f"{first.dataset}: reliability of the BMA on the test set", fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
-FLAT_VS_BASE_METRICS: tuple[tuple[str, str], ...] = (
-    ("acc", "accuracy (%)"),
-    ("nll", "NLL"),
-    ("ece", "ECE"),
-    ("ood_auroc_entropy", "OOD AUROC"),
-    ("lambda_max", "λ_max"),
+FLAT_VS_BASE_METRICS: tuple[tuple[str, str, float, bool], ...] = (
+    # (metric key, label, scale, lower is better)
+    ("acc", "accuracy (points)", 100.0, False),
+    ("nll", "NLL", 1.0, True),
+    ("ece", "ECE", 1.0, True),
+    ("ood_auroc_entropy", "OOD AUROC", 1.0, False),
+    ("lambda_max", "λ_max", 1.0, True),
 )
 
 
@@ -195,38 +226,56 @@ def flat_base_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: str) -> bool:
-    """Each flat method against its base on ``dataset``, per seed and per metric, saved as PNG.
+    """Each flat method minus its base on ``dataset``, per seed and per metric, saved as PNG.
 
-    One row per (flat, base) pair of the run, one column per metric; in each panel a line per seed joins the base's
-    value (left) to the flat method's (right). ``records`` are the per-seed records of a ``results.json``
-    (:func:`record_dict`). Returns ``False`` (and writes nothing) when the run has no pair on ``dataset``.
+    One compact panel per metric (:data:`FLAT_VS_BASE_METRICS`), the pairs of the run in rows on a shared axis: a dot
+    per seed for flat − base on that seed, a diamond with a bar for the mean ± standard deviation over seeds, a line at
+    0 (no difference) and the side where the flat method is better shaded. ``records`` are the per-seed records of a
+    ``results.json`` (:func:`record_dict`). Returns ``False`` (and writes nothing) when the run has no pair on
+    ``dataset``.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [r for r in records if r["dataset"] == dataset]
     pairs = flat_base_pairs(list(dict.fromkeys(r["method"] for r in rows)))
     if not pairs:
         return False
     value = {(r["method"], r["seed"]): r["metrics"] for r in rows}
-    cols = len(FLAT_VS_BASE_METRICS)
-    fig, axes = plt.subplots(len(pairs), cols, figsize=(2.3 * cols, 1.9 * len(pairs)), squeeze=False)
-    for (flat, base), panel_row in zip(pairs, axes, strict=True):
-        seeds = sorted(s for m, s in value if m == flat and (base, s) in value)
-        for (key, label), ax in zip(FLAT_VS_BASE_METRICS, panel_row, strict=True):
-            scale = 100.0 if key == "acc" else 1.0
-            for seed in seeds:
-                a, b = value[base, seed].get(key), value[flat, seed].get(key)
-                if a is not None and b is not None:
-                    ax.plot([0, 1], [scale * a, scale * b], "o-", color="C0", alpha=0.7, markersize=3)
-            ax.set_xticks([0, 1], [base, flat], fontsize=7)
-            ax.set_xlim(-0.3, 1.3)
-            ax.tick_params(axis="y", labelsize=7)
-            ax.set_title(label, fontsize=8)
-    fig.suptitle(f"{dataset}: each flat method (right) against its base (left), one line per seed", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    metrics = [m for m in FLAT_VS_BASE_METRICS if any(m[0] in v for v in value.values())]
+    # sized to be read where the documentation shows it (about 750 px wide) as well as at full size
+    fig, axes = plt.subplots(1, len(metrics), figsize=(1.45 * len(metrics) + 1.4, 1.5 + 0.27 * len(pairs)),
+                             sharey=True, squeeze=False, layout="constrained")
+    positions = range(len(pairs))[::-1]  # the first pair on top
+    for (key, label, scale, lower_is_better), ax in zip(metrics, axes[0], strict=True):
+        spread = []
+        for (flat, base), y in zip(pairs, positions, strict=True):
+            diffs = [scale * (value[flat, s][key] - value[base, s][key]) for m, s in value
+                     if m == flat and (base, s) in value and value[flat, s].get(key) is not None
+                     and value[base, s].get(key) is not None]
+            if not diffs:
+                continue
+            spread += diffs
+            ax.plot(diffs, [y] * len(diffs), "o", color="0.45", markersize=3, alpha=0.7, zorder=3)
+            mean = sum(diffs) / len(diffs)
+            std = 0.0 if len(diffs) < 2 else math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+            ax.errorbar([mean], [y], xerr=[std], fmt="D", color="black", markersize=4, capsize=2, zorder=4)
+        limit = 1.15 * max((abs(d) for d in spread), default=1.0) or 1.0
+        ax.set_xlim(-limit, limit)
+        ax.axvspan(-limit if lower_is_better else 0, 0 if lower_is_better else limit, color="tab:green", alpha=0.08)
+        ax.axvline(0, color="0.3", linewidth=0.8)
+        arrow = "← flat better" if lower_is_better else "flat better →"
+        ax.set_xlabel(f"flat − base\n{arrow}", fontsize=7)
+        ax.set_title(label, fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=3, symmetric=True))
+        ax.tick_params(labelsize=6)
+        ax.grid(axis="y", color="0.9", linewidth=0.5)
+    axes[0][0].set_yticks(list(positions), [f"{flat} − {base}" for flat, base in pairs], fontsize=6.5)
+    axes[0][0].set_ylim(-0.7, len(pairs) - 0.3)
+    fig.suptitle(f"{dataset}: flat method minus its base; dots: seeds, diamond: mean ± sd", fontsize=8)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -28,13 +28,16 @@ def reliability_diagram(
     Draws one bar per non-empty bin of :func:`~pyro_flat.metrics.reliability_bins` (height :math:`\mathrm{acc}_b`,
     spanning the bin), the mean confidence :math:`\mathrm{conf}_b` of each bin as a marker and the diagonal
     :math:`\mathrm{acc}=\mathrm{conf}`; the legend gives the ECE (:func:`~pyro_flat.metrics.expected_calibration_error`
-    with the same bins). Bars below the diagonal mean over-confidence. Several calls on one ``ax`` overlay methods.
+    with the same bins) and sits under the axes, where it hides no bar. Bars below the diagonal mean over-confidence.
+    Several calls on one ``ax`` overlay methods.
 
     :param probs: BMA probabilities :math:`\bar p`, shape ``[N, C]``.
     :param y: labels, int64 of shape ``[N]``.
     :param int num_bins: number of equal-width bins, default 15.
     :param ax: matplotlib axes to draw on (the diagonal and axis labels are added on the first call); default a new
-        :class:`matplotlib.figure.Figure`, not managed by pyplot (so nothing needs closing).
+        :class:`matplotlib.figure.Figure` with constrained layout, not managed by pyplot (so nothing needs closing; in
+        a notebook, show it by ending the cell with it). On axes of your own, lay the figure out with
+        ``layout="constrained"`` or ``tight_layout()`` so that the legend under the axes is kept.
     :param str label: legend label of this curve, e.g. the method's name.
     :returns: the figure holding the axes.
     :raises ImportError: if matplotlib is not installed.
@@ -54,7 +57,7 @@ def reliability_diagram(
     filled = [b for b, n in enumerate(counts) if n > 0]
 
     if ax is None:
-        ax = Figure(figsize=(4.5, 4.5)).add_subplot()
+        ax = Figure(figsize=(4.5, 5.0), layout="constrained").add_subplot()
     if not any(line.get_label() == _DIAGONAL for line in ax.get_lines()):  # first diagram on these axes
         ax.plot([0, 1], [0, 1], linestyle="--", color="0.5", linewidth=1, label=_DIAGONAL)
         ax.set_xlim(0, 1)
@@ -81,7 +84,7 @@ def reliability_diagram(
         linestyle="none",
         color=bars.patches[0].get_facecolor(),
     )
-    ax.legend(loc="upper left", fontsize="small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize="small", frameon=False)
     return ax.figure
 
 

@@ -118,23 +118,76 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert [r["method"] for r in payload["records"]] == ["map", "sam"]
     assert payload["config"]["num_epochs"] == 1 and payload["config"]["options"] == {"sam": {"rho": 0.02}}
     assert (out / "reliability_digits.png").stat().st_size > 1000
+    assert (out / "curves_digits.png").stat().st_size > 1000
     assert (out / "flat_vs_base_digits.png").stat().st_size > 1000  # sam against its base, map
     assert "| map |" in (out / "table.md").read_text()
+    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, "
+                                            "reliability_digits.png, curves_digits.png, flat_vs_base_digits.png\n")
+    # the same folder, a run with no flat-vs-base pair and no logged loss: says only what it wrote, and no figure of
+    # the first run stays behind
+    assert main(["bench", "--methods", "sgld", "--epochs", "1", "--out", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, "
+                                            "reliability_digits.png\n")
+    assert not (out / "flat_vs_base_digits.png").exists() and not (out / "curves_digits.png").exists()
 
 
 @pytest.mark.parametrize("argv, match", [
     (["bench", "--methods", "nope"], "unknown method 'nope'"),
     (["bench", "--datasets", "cifar"], "unknown dataset 'cifar'"),
+    (["bench", "--datasets", "mnist"], "dataset 'mnist' is read from a local folder: pass --data-root DIR"),
+    (["bench", "--datasets", "cifar10", "--data-root", "no/such/folder"], "--data-root no/such/folder: no such folder"),
+    (["bench", "--model", "resnet18_imagenet", "--pretrained", "no/such.pth"], "--pretrained no/such.pth: no such"),
     (["bench", "--seeds", "0"], "--seeds must be >= 1"),
+    (["bench", "--preset", "huge"], "invalid choice: 'huge'"),
     (["bench", "--set", "novalue"], "method.key=value"),
     (["bench", "--set", "f_vi.rhoo=0.1"], "--set: method 'f_vi' has no option 'rhoo'"),
     (["bench", "--set", "fvi.rho=0.1"], "--set: options given for unknown method 'fvi'"),
+    (["bench", "--set", "f_vi.rho=abc"], "--set: f_vi.rho expects a number, got 'abc'"),
+    (["bench", "--set", "emcmc.collect=all"], "--set: emcmc.collect expects one of 'theta', 'anchor', 'both'"),
+    (["bench", "--set", "swag.max_rank=2.5"], "--set: swag.max_rank expects an integer, got 2.5"),
+    (["bench", "--set", "f_vi.adaptive=1"], "--set: f_vi.adaptive expects True or False, got 1"),
     (["bench", "--epochs", "0"], "num_epochs"),
+    (["recipe", "bsam-cifar10", "--out", "x"], "pass --data-root DIR"),
+    (["data", "synthetic-cifar", "x", "--num-train", "0"], "--num-train must be >= 1"),
+    (["data", "imagenet"], "invalid choice: 'imagenet'"),
 ])
-def test_cli_bad_input(argv, match, capsys):
-    with pytest.raises(SystemExit):
-        main(argv)
-    assert match in capsys.readouterr().err
+def test_cli_bad_input(argv, match, tmp_path, monkeypatch, capsys):
+    # every user error: one line on stderr, no traceback, exit status 2, before any training or writing
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--no-progress"] if argv[0] == "bench" else argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+def test_cli_missing_data_files_is_a_one_line_error(tmp_path, capsys):
+    # the folder exists but holds no CIFAR files: found when the data set is read, still one line and exit status 2
+    (tmp_path / "data").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--datasets", "cifar10", "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+              "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(tmp_path / "data" / "cifar-10-batches-py") in err, err
+
+
+def test_every_declared_option_has_a_kind():
+    from pyro_flat.bench.registry import OPTION_KINDS, check_method_options
+
+    for spec in METHODS.values():
+        assert set(spec.options) <= set(OPTION_KINDS), spec.name
+    check_method_options({"emcmc": {"cycles": None, "anchor_prior_scale": 0.2, "collect": "both", "lr": 1}})
+
+
+def test_cli_writes_a_stand_in_cifar_folder(tmp_path, capsys):
+    from pyro_flat.data import load_vision_dataset
+
+    assert main(["data", "synthetic-cifar", str(tmp_path / "data"), "--num-train", "20", "--num-test", "10"]) == 0
+    assert f"--data-root {tmp_path / 'data'}" in capsys.readouterr().out
+    train = load_vision_dataset("cifar10", tmp_path / "data", train=True)
+    assert len(train) == 20 and len(load_vision_dataset("cifar10", tmp_path / "data", train=False)) == 10
 
 
 def test_cli_list(capsys):
@@ -173,13 +226,60 @@ def _record(method, seed, acc):
             "metrics": {"acc": acc, "nll": 1 - acc, "ece": 0.1, "ood_auroc_entropy": 0.5, "lambda_max": 2.0}}
 
 
-def test_flat_vs_base_figure(tmp_path):
-    from pyro_flat.bench.report import flat_base_pairs, plot_flat_vs_base
+def test_flat_vs_base_figure(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from pyro_flat.bench import report
+    from pyro_flat.bench.report import FLAT_VS_BASE_METRICS, flat_base_pairs, plot_flat_vs_base
 
     assert flat_base_pairs(["map", "sam", "vi", "f_vi", "sgld"]) == [("sam", "map"), ("f_vi", "vi")]
-    records = [_record(m, s, a) for s in range(3) for m, a in (("map", 0.9), ("sam", 0.95), ("vi", 0.8))]
+    records = [_record(m, s, a + 0.01 * s) for s in range(3) for m, a in (("map", 0.9), ("sam", 0.95), ("vi", 0.8),
+                                                                         ("f_vi", 0.79))]
+    figures = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
+    monkeypatch.setattr(plt, "close", lambda fig: None)
     assert plot_flat_vs_base(tmp_path / "pairs.png", records, "digits")
-    assert (tmp_path / "pairs.png").stat().st_size > 1000
+    (fig,) = figures
+    # one compact panel per metric, the pairs in rows on a shared axis, the differences centred on a line at 0
+    assert [ax.get_title() for ax in fig.axes] == [label for _, label, *_ in FLAT_VS_BASE_METRICS]
+    labels = {t.get_position()[1]: t.get_text() for t in fig.axes[0].get_yticklabels()}
+    assert [labels[y] for y in sorted(labels, reverse=True)] == ["sam − map", "f_vi − vi"]  # top to bottom
+    assert fig.get_size_inches()[1] < 3
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        assert low == -high and any(list(line.get_xdata()) == [0, 0] for line in ax.get_lines())
+    acc = fig.axes[0]
+    assert "flat better →" in acc.get_xlabel() and "← flat better" in fig.axes[1].get_xlabel()
+    seeds = sorted(x for line in acc.get_lines() if line.get_marker() == "o" for x in line.get_xdata())
+    assert seeds == pytest.approx([-1.0] * 3 + [5.0] * 3)  # f_vi - vi and sam - map, per seed, in points
     # no flat method whose base ran: nothing is written
-    assert not plot_flat_vs_base(tmp_path / "none.png", [r for r in records if r["method"] != "map"], "digits")
+    monkeypatch.undo()
+    unpaired = [r for r in records if r["method"] not in ("map", "vi")]
+    assert not report.plot_flat_vs_base(tmp_path / "none.png", unpaired, "digits")
     assert not (tmp_path / "none.png").exists()
+
+
+def _curve_record(method, seed, phases, loop):
+    entries = [{"phase": p, "epoch": e, "loss": 1000.0 * (p + 1) / e if loop == "svi" else 2.0 / e, "loop": loop}
+               for p in range(phases) for e in (1, 2, 3)]
+    return RunRecord("digits", method, seed, {}, 1.0, entries=entries)
+
+
+def test_curves_figure_says_what_each_loss_is(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from pyro_flat.bench.report import LOSS_LABELS, plot_curves
+
+    records = [_curve_record("ensemble", s, 3, "svi") for s in (0, 1)] + [
+        _curve_record("sam_torch", 0, 1, "SAM"), RunRecord("digits", "sgld", 0, {}, 1.0)]
+    figures = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
+    monkeypatch.setattr(plt, "close", lambda fig: None)
+    assert plot_curves(tmp_path / "curves.png", records)
+    (fig,) = figures
+    ensemble, sam = fig.axes[:2]
+    assert ensemble.get_ylabel() == LOSS_LABELS["svi"] and sam.get_ylabel() == LOSS_LABELS["SAM"]
+    assert [t.get_text() for t in ensemble.get_legend().get_texts()] == ["phase 0", "phase 1", "phase 2"]
+    assert len(ensemble.get_lines()) == 6 and sam.get_legend() is None  # a line per seed and phase
+    assert "sgld" in fig._supxlabel.get_text()  # the sampler logs no loss: said, not silently missing
+    assert not plot_curves(tmp_path / "none.png", records[-1:])

@@ -11,7 +11,7 @@ import torch
 from pyro_flat.bench import METHODS
 from pyro_flat.bench import methods as _registered  # noqa: F401  (fills METHODS)
 from pyro_flat.bench.cli import main
-from pyro_flat.bench.recipes import RECIPES, recipe_table, stage_setup
+from pyro_flat.bench.recipes import RECIPES, network_name, recipe_table, stage_setup
 from pyro_flat.data import write_synthetic_cifar
 
 torchvision = pytest.importorskip("torchvision")
@@ -48,14 +48,18 @@ def test_every_recipe_runs_end_to_end(name, cifar, imagenet_weights, tmp_path, c
         ran = {row["method"] for row in summary["ours"][stage.name]}
         assert ran == set(stage.smoke_methods or stage.methods)
         assert (out / stage.name / "results.json").exists() and (out / stage.name / "metrics.jsonl").exists()
+        smoke, _ = stage_setup(recipe, stage, "smoke", {"data_root": str(cifar)}, {}, out)
         for row in summary["ours"][stage.name]:
             assert 0 <= row["acc"][0] <= 100 and row["nll"][0] > 0
-            assert f"| {stage.name} | {stage.network} | {row['dataset']} | {row['method']} |" in table
+            (line,) = [line for line in table.splitlines()
+                       if line.startswith(f"| {stage.name} |") and f"| {row['dataset']} | {row['method']} |" in line]
+            assert line.split(" | ")[1].startswith(network_name(smoke))  # the network that ran
     for paper in recipe.paper:  # the paper's figures, next to ours, where the method ran
         ran = {row["method"] for row in summary["ours"].get(paper.stage, [])}
         if paper.method in ran and paper.acc is not None:
             assert f"| {paper.method} | {paper.acc:g} |" in table
-    assert "Expected cost" in table and recipe.reference in table
+    assert "Expected cost of the paper preset" in table and recipe.reference in table
+    assert "This run is not the paper preset" in table and "* Ours:" not in table
     if name == "sa-bma-transfer":  # the source SWAG posterior was saved and the frozen block sampled from it
         assert (out / "source_swag.pt").exists()
         record = json.loads((out / "transfer_swag_backbone" / "results.json").read_text())["records"][0]
@@ -121,3 +125,20 @@ def test_table_quotes_unverified_figures_as_missing():
     table = recipe_table(recipe, {"cifar10_resnet18": rows})
     assert "| csgld | – | – | – |" in table and "| emcmc | 95.69 | – | – |" in table
     assert "unverified" in table
+
+
+def test_table_names_the_network_and_budget_that_ran():
+    recipe = RECIPES["flat-seeking-cifar"]
+    rows = {stage.name: [{"dataset": stage.datasets[0], "method": "f_swag", "acc": (50.0, float("nan"))}]
+            for stage in recipe.stages}
+    configs = {preset: {stage.name: stage_setup(recipe, stage, preset, {"data_root": "x"}, {}, "out")[0]
+                        for stage in recipe.stages} for preset in ("paper", "smoke")}
+    paper = recipe_table(recipe, rows, configs["paper"])
+    assert "| cifar10_wrn | WRN-28-10 | cifar10 |" in paper and "* Ours: " in paper
+    assert "* Expected cost: ≈ 370 GPU-hours" in paper and "not the paper preset" not in paper
+    smoke = recipe_table(recipe, rows, configs["smoke"])
+    assert "| cifar10_wrn | WRN-10-1; paper preset: WRN-28-10 | cifar10 |" in smoke
+    assert "| cifar10_resnet18 | ResNet-18 (width 4); paper preset: ResNet-18 | cifar10 |" in smoke
+    assert "cifar10_wrn: WRN-10-1, 2 epochs, batch 20, 2 BMA draws" in smoke
+    assert "* Ours: " not in smoke and "* The paper preset: the harness methods with SGD" in smoke
+    assert "* Expected cost of the paper preset: ≈ 370 GPU-hours" in smoke

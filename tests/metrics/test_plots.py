@@ -11,6 +11,7 @@ import pytest
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from pyro_flat.metrics import (  # noqa: E402
@@ -35,6 +36,22 @@ def test_reliability_diagram_returns_a_figure_with_the_ece():
     assert "perfect calibration" in texts
     assert len(ax.patches) == int((reliability_bins(probs, y, 10)["counts"] > 0).sum())  # one bar per filled bin
     fig.savefig(io.BytesIO(), format="png")  # renders without a display
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reliability_legend_covers_no_bar(seed):
+    # under-confident predictions fill the top-left bins, where a legend inside the axes used to sit
+    logits, y = make_problem(seed=seed)
+    fig = reliability_diagram(bma_probs(0.3 * logits), y, label="tempered")
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert ax.patches and not [bar for bar in ax.patches if bar.get_window_extent(renderer).overlaps(legend)]
+    assert not legend.overlaps(ax.get_window_extent(renderer))
+    for text in ax.get_legend().get_texts():  # and it is drawn inside the figure
+        box = text.get_window_extent(renderer)
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
 
 
 def test_reliability_diagram_overlays_on_given_axes():
