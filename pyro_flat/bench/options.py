@@ -50,7 +50,7 @@ OPTION_VALUES: dict[str, tuple[str, Callable[[Any, RunConfig], bool]]] = {
     "burn_in": ("a number in [0, 1)", _in(0, 1, high_open=True)),
     "lr": POSITIVE,
     "temperature": NON_NEGATIVE,
-    "cycles": ("an int >= 1", lambda v, c: _int(v) and v >= 1),
+    "cycles": ("None or an int >= 1", lambda v, c: v is None or (_int(v) and v >= 1)),
     "exploration": ("a number in [0, 1)", _in(0, 1, high_open=True)),
     "collect": ("'theta', 'anchor' or 'both'", lambda v, c: v in ("theta", "anchor", "both")),
     "eta": POSITIVE,

@@ -94,49 +94,12 @@ def register_method(
     return decorator
 
 
-OPTION_KINDS: dict[str, str | tuple[str, ...]] = {
-    "rho": "number", "adaptive": "bool", "rank": "int", "backbone_swag": "path", "backbone_scale": "number",
-    "radius": "number", "kl_weight": "number", "lr": "number", "temperature": "number", "burn_in": "number",
-    "cycles": "int or None", "exploration": "number", "eta": "number", "collect": ("theta", "anchor", "both"),
-    "anchor_prior_scale": "number or None", "swa_start": "int", "max_rank": "int", "m_sharpness": "int",
-    "save_swag": "path", "scale": "number", "prior_precision": "number", "damping": "number", "beta2": "number",
-    "init_scale": "number", "dafactor": "number", "lr_low_ratio": "number",
-}
-"""What each per-method option accepts (an option means the same for every method that reads it): ``"number"``
-(an int or a float), ``"int"``, ``"bool"``, ``"path"`` (a string), ``"... or None"``, or a tuple of the allowed
-strings. :func:`check_method_options` checks every value against it before a run starts."""
-
-
-def _accepts(kind: str | tuple[str, ...], value: object) -> bool:
-    if isinstance(kind, tuple):
-        return value in kind
-    if kind.endswith(" or None") and value is None:
-        return True
-    kind = kind.removesuffix(" or None")
-    if kind == "bool":
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    if kind == "int":
-        return isinstance(value, int)
-    if kind == "number":
-        return isinstance(value, int | float)
-    return isinstance(value, str)  # "path"
-
-
-def _expected(kind: str | tuple[str, ...]) -> str:
-    if isinstance(kind, tuple):
-        return "one of " + ", ".join(map(repr, kind))
-    words = {"number": "a number", "int": "an integer", "bool": "True or False", "path": "a file path"}
-    base = kind.removesuffix(" or None")
-    return words[base] + (" or None" if kind != base else "")
-
-
 def check_method_options(options: Mapping[str, Mapping[str, object]]) -> None:
-    """Refuse per-method options for an unknown method, with a key the method does not read (a typo would
-    otherwise run the default silently), or with a value of the wrong kind (:data:`OPTION_KINDS`), before any run.
+    """Refuse per-method options for an unknown method or with a key the method does not read (a typo would
+    otherwise run the default silently), before any run; their values are checked by
+    :func:`~pyro_flat.bench.options.check_option_values`.
 
-    :raises ValueError: naming the method, the key and the method's options, or the value and what was expected.
+    :raises ValueError: naming the method, the key and the method's options.
     """
     for method, values in options.items():
         if method not in METHODS:
@@ -145,10 +108,6 @@ def check_method_options(options: Mapping[str, Mapping[str, object]]) -> None:
         if unknown:
             known = ", ".join(METHODS[method].options) or "none"
             raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: {known}")
-        for key, value in values.items():
-            kind = OPTION_KINDS.get(key)
-            if kind is not None and not _accepts(kind, value):
-                raise ValueError(f"{method}.{key} expects {_expected(kind)}, got {value!r}")
 
 
 def build_mlp(data: ClassificationData, config: RunConfig, *, dropout: float) -> BayesianMLP:
