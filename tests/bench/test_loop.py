@@ -175,3 +175,37 @@ def test_epoch_log_and_curves(tmp_path):
 
     plot_curves(tmp_path / "curves.png", records)
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("method", ["map", "f_vi", "sa_bma", "sgld", "bsam", "f_swag"])
+def test_training_steps_read_the_host_at_the_logging_interval_only(method, monkeypatch):
+    """The harness's training loops (one method of every family) read values on the host only to log the loss (every
+    ``log_every`` steps and at the end of a phase) and to close an epoch (its mean loss): not at every step. Counted
+    with HostSyncCounter over the loops' steps and bookkeeping, Pyro's validation off as the harness runs it."""
+    import pyro
+
+    from pyro_flat.bench import loop
+    from pyro_flat.testing import HostSyncCounter
+
+    counter, steps, phases, epochs = HostSyncCounter(), [0], [0], [0]
+    original_iter, original_end = loop.TrainingLoop.__iter__, loop.TrainingLoop._end_epoch
+
+    def counted(self):
+        phases[0] += 1
+        with counter:
+            for item in original_iter(self):
+                steps[0] += 1
+                yield item  # the step itself runs while the loop is suspended here: counted too
+
+    def end_epoch(self, step):
+        epochs[0] += 1
+        return original_end(self, step)
+
+    monkeypatch.setattr(loop.TrainingLoop, "__iter__", counted)
+    monkeypatch.setattr(loop.TrainingLoop, "_end_epoch", end_epoch)
+    pyro.enable_validation(False)
+    run_benchmark(["digits"], [method], [0], TINY.replace(num_epochs=3 if method == "f_swag" else 2), progress=False)
+    # at most: one read per epoch (its mean loss), two per phase (the first and the last logged loss), the SG-MCMC
+    # kernels' divergence checks (every 100 steps)
+    allowed = epochs[0] + 2 * phases[0] + steps[0] // 100
+    assert steps[0] >= 20 and counter.count <= allowed, (steps[0], allowed, counter.report())
