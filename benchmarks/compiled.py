@@ -30,7 +30,6 @@ Run: ``python benchmarks/compiled.py --network mlp`` (writes ``benchmarks/result
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import time
 import warnings
@@ -40,16 +39,12 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_steps import INIT_SCALE, PyroStep, TorchBBB, check_same_step, mlp_torch, packed_torch
+from _svi_steps import INIT_SCALE, Network, TorchBBB, check_same_step
 from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, time_block, timing_rows
 from kl_ball_elbo import RADIUS, TorchKLBall
 from pyro.infer import MCMC, JitTrace_ELBO, Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
 from sharpness_aware_elbo import RHO, TorchBBBSAM
-from torch import nn
-from torch.func import functional_call
 
-from pyro_flat.data import load_digits
 from pyro_flat.infer import (
     JitKLBallELBO,
     JitSharpnessAwareELBO,
@@ -57,74 +52,9 @@ from pyro_flat.infer import (
     SharpnessAwareELBO,
 )
 from pyro_flat.infer.mcmc import SGLD
-from pyro_flat.nn import BayesianClassifier, init_to_network, make_bayesian, pack_latents, resnet18
+from pyro_flat.nn import init_to_network
 
 STEP_SIZE = 1e-6
-
-
-class Network:
-    """A network as a Pyro model and as hand-written torch, with its data.
-
-    :param name: ``"mlp"`` or ``"resnet18"``.
-    :param width: ResNet-18's first-stage width (64: the standard network; small widths for tests).
-    :param num_data: ResNet-18's number of synthetic CIFAR-shaped training points.
-    :param batch: ResNet-18's minibatch size.
-    """
-
-    def __init__(self, name: str, *, width: int = 64, num_data: int = 1024, batch: int = 32,
-                 packed: bool = False) -> None:
-        self.name, self.packed = name, packed
-        if name == "mlp":
-            data = load_digits(dtype=torch.float32)
-            self.x, self.y, self.batch = data.x_train, data.y_train, 128
-            self.describe = "MLP 64-256-256-10 on digits (N = 1257), minibatch 128"
-            params, self.torch_forward = mlp_torch()
-            net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-            with torch.no_grad():
-                for target, value in zip(net.parameters(), params, strict=True):
-                    target.copy_(value)
-            self.torch_params = list(net.parameters())
-            # the Pyro model starts from the hand-written network's weights (same arithmetic, same numbers)
-            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net)), 10)
-            self.make_net = lambda: copy.deepcopy(net)
-        elif name == "resnet18":
-            generator = torch.Generator().manual_seed(0)
-            self.x = torch.randn(num_data, 3, 32, 32, generator=generator)
-            self.y = torch.randint(0, 10, (num_data,), generator=generator)
-            self.batch = batch
-            net = resnet18(10, width=width)
-            size = sum(p.numel() for p in net.parameters())
-            self.describe = (f"ResNet-18{'' if width == 64 else f' (width {width})'}, CIFAR stem, BatchNorm, "
-                             f"{size / 1e6:.1f} M latent weights, on CIFAR-shaped synthetic data (N = {num_data}), "
-                             f"minibatch {batch}")
-            names = [n for n, _ in net.named_parameters()]
-            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net)), 10)
-            self.torch_params = list(net.parameters())
-            self.torch_forward = lambda weights, x: functional_call(net, dict(zip(names, weights, strict=True)), (x,))
-            self.make_net = lambda: copy.deepcopy(net)
-        else:
-            raise ValueError(f"unknown network {name!r}")
-        if packed:
-            self.describe += ", packed (one latent site)"
-
-    def model(self) -> BayesianClassifier:
-        """The Bayesian network (packed with ``packed``)."""
-        model = self.make_model()
-        if self.packed:
-            pack_latents(model.net)
-        return model
-
-    def svi(self, loss, *, torch_optim: bool = False) -> PyroStep:
-        def guide(model):
-            return AutoNormal(model, init_loc_fn=init_to_network(model), init_scale=INIT_SCALE)
-
-        return PyroStep(self.model(), self.x, self.y, loss, guide, self.batch, torch_optim=torch_optim)
-
-    def torch_step(self, cls: type) -> TorchBBB:
-        params, forward = self.torch_params, self.torch_forward
-        if self.packed:
-            params, forward = packed_torch(params, forward)
-        return cls(self.x, self.y, params, forward, self.batch)
 
 
 class TorchSGLD:

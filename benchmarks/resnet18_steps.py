@@ -3,12 +3,16 @@ against a hand-written torch loop doing the same arithmetic, all in one run.
 
 ResNet-18 with the CIFAR stem (``pyro_flat.nn.resnet18``: 3x3 stride-1 first convolution, no max-pool, BatchNorm),
 every weight latent (11.2 M), on CIFAR-shaped synthetic data (N = 1024 images 3x32x32, 10 classes: nothing
-downloads), minibatch 32, float32, one thread, Pyro's validation on, eager (the compiled paths at this scale are
-``compiled.py --network resnet18``). Every variant is timed in every repeat, the order alternating between repeats,
+downloads), minibatch 32, float32, one thread, Pyro's validation and torch.distributions' argument checks off for
+every variant (the hand-written loops included: no baseline is handicapped), eager (the compiled paths at this scale
+are ``compiled.py --network resnet18``); ``--packed``: the latent weights in one site and the hand-written loops' in
+one vector. Before timing, each hand-written SVI step and SGLD loop is checked to compute its Pyro step's loss and
+gradients from the same seed. Every variant is timed in every repeat, the order alternating between repeats,
 and the median over repeats is reported (``_timing.py``): the machine is shared, so drift hits all variants alike.
 
 * **SVI objectives** (``AutoNormal``, init scale 1e-3, ``pyro.optim.Adam`` 1e-3, one ``SVI.step``): the bases
-  ``Trace_ELBO`` and ``TraceMeanField_ELBO``; ``SharpnessAwareELBO`` and ``SharpnessAwareMeanFieldELBO`` (rho 0.05);
+  ``TensorTrace_ELBO`` and ``TensorTraceMeanField_ELBO`` (Pyro's ``Trace_ELBO``, timed beside them, reads every site's
+  log-density on the host); ``SharpnessAwareELBO`` and ``SharpnessAwareMeanFieldELBO`` (rho 0.05);
   ``KLBallELBO`` (radius 0.01) with the Fisher and the normalised-score direction. Hand-written (``_svi_steps.py``,
   ``sharpness_aware_elbo.py``, ``kl_ball_elbo.py``): Bayes by backprop, + SAM, + the Fisher KL-ball step, and
   :class:`TorchKLBallScore` (+ the normalised-score step).
@@ -46,17 +50,25 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_steps import INIT_SCALE, TorchBBB
+from _svi_steps import INIT_SCALE, TorchBBB, check_same_step
 from _timing import environment, interleaved_times, medians_ms, timing_rows
 from bayesian_sam import PlainBSAM, PlainSAM
-from compiled import STEP_SIZE, KernelSteps, Network, TorchSGLD
+from compiled import STEP_SIZE, KernelSteps, Network, TorchSGLD, check_same_gradient
 from kl_ball_elbo import RADIUS, TorchKLBall
-from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer import Trace_ELBO
 from sharpness_aware_elbo import RHO, TorchBBBSAM
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from pyro_flat.infer import HWA, KLBallELBO, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO, SWAGCollector
+from pyro_flat.infer import (
+    HWA,
+    KLBallELBO,
+    SharpnessAwareELBO,
+    SharpnessAwareMeanFieldELBO,
+    SWAGCollector,
+    TensorTrace_ELBO,
+    TensorTraceMeanField_ELBO,
+)
 from pyro_flat.infer.mcmc import SGHMC, EntropyMCMC, EntropySGD, EntropySGLD
 from pyro_flat.ops.fisher import normalized_score_step
 from pyro_flat.optim import SAM, BayesianSAM
@@ -266,7 +278,7 @@ class HWACollection:
     """``HWA.collect`` of the ``AutoNormal`` guide of an SVI ``Trace_ELBO`` run (in its own parameter-store scope)."""
 
     def __init__(self, network: Network) -> None:
-        self.svi = network.svi(Trace_ELBO())
+        self.svi = network.svi(TensorTrace_ELBO())
         self.enter()
         self.hwa = HWA(self.svi.svi.guide, max_rank=MAX_RANK)
         self.exit()
@@ -287,8 +299,9 @@ def variants(network: Network, inner_steps: int) -> dict[str, object]:
     bbb = network.torch_step(TorchBBB)
     return {
         # SVI objectives
-        "Trace_ELBO": network.svi(Trace_ELBO()),
-        "TraceMeanField_ELBO": network.svi(TraceMeanField_ELBO()),
+        "Trace_ELBO (Pyro)": network.svi(Trace_ELBO()),
+        "TensorTrace_ELBO": network.svi(TensorTrace_ELBO()),
+        "TensorTraceMeanField_ELBO": network.svi(TensorTraceMeanField_ELBO()),
         "SharpnessAwareELBO": network.svi(SharpnessAwareELBO(RHO)),
         "SharpnessAwareMeanFieldELBO": network.svi(SharpnessAwareMeanFieldELBO(RHO)),
         "KLBallELBO (fisher)": network.svi(KLBallELBO(RADIUS)),
@@ -331,12 +344,13 @@ def ratio_rows(inner_steps: int) -> list[tuple[str, str | None, str, str | None]
     """``(method, base, hand-written loop, the loop's base)`` of every row of the ratio table."""
     esgld = f"torch Entropy-SGLD (L={inner_steps})"
     return [
-        ("Trace_ELBO", None, "torch BBB", None),
-        ("TraceMeanField_ELBO", "Trace_ELBO", "torch BBB", None),
-        ("SharpnessAwareELBO", "Trace_ELBO", "torch BBB-SAM", "torch BBB"),
-        ("SharpnessAwareMeanFieldELBO", "TraceMeanField_ELBO", "torch BBB-SAM", "torch BBB"),
-        ("KLBallELBO (fisher)", "Trace_ELBO", "torch KL-ball (fisher)", "torch BBB"),
-        ("KLBallELBO (normalized_score)", "Trace_ELBO", "torch KL-ball (normalized score)", "torch BBB"),
+        ("Trace_ELBO (Pyro)", None, "torch BBB", None),
+        ("TensorTrace_ELBO", "Trace_ELBO (Pyro)", "torch BBB", None),
+        ("TensorTraceMeanField_ELBO", "TensorTrace_ELBO", "torch BBB", None),
+        ("SharpnessAwareELBO", "TensorTrace_ELBO", "torch BBB-SAM", "torch BBB"),
+        ("SharpnessAwareMeanFieldELBO", "TensorTraceMeanField_ELBO", "torch BBB-SAM", "torch BBB"),
+        ("KLBallELBO (fisher)", "TensorTrace_ELBO", "torch KL-ball (fisher)", "torch BBB"),
+        ("KLBallELBO (normalized_score)", "TensorTrace_ELBO", "torch KL-ball (normalized score)", "torch BBB"),
         ("SGLD", None, "torch SGLD", None),
         ("SGHMC", "SGLD", "torch SGHMC", "torch SGLD"),
         ("EntropyMCMC", "SGLD", "torch Entropy-MCMC", "torch SGLD"),
@@ -346,7 +360,7 @@ def ratio_rows(inner_steps: int) -> list[tuple[str, str | None, str, str | None]
         ("BayesianSAM", "SAM(SGD)", "torch bSAM", "torch SAM(SGD)"),
         ("BayesianSAM", "torch SGD", "torch bSAM", "torch SGD"),
         ("SWAGCollector.collect", "torch SGD", "torch SWAG collection", "torch SGD"),
-        ("HWA.collect", "Trace_ELBO", "torch HWA collection", "torch BBB"),
+        ("HWA.collect", "TensorTrace_ELBO", "torch HWA collection", "torch BBB"),
     ]
 
 
@@ -359,22 +373,30 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--width", type=int, default=64, help="ResNet-18's first-stage width (64: the network)")
     parser.add_argument("--num-data", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "resnet18_steps.md")
+    parser.add_argument("--packed", action="store_true", help="the latent weights packed in one site")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    out = args.out or Path(__file__).parent / "results" / f"resnet18_steps{'_packed' if args.packed else ''}.md"
     start = time.perf_counter()
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
-    pyro.enable_validation(True)
+    pyro.enable_validation(False)  # Pyro's checks and torch.distributions' argument checks, for every variant
     pyro.set_rng_seed(0)
     warnings.filterwarnings("ignore", "`torch.jit.trace` is deprecated", FutureWarning)
-    network = Network("resnet18", width=args.width, num_data=args.num_data, batch=args.batch)
+    network = Network("resnet18", width=args.width, num_data=args.num_data, batch=args.batch, packed=args.packed)
     timed = variants(network, args.inner_steps)
+    checks = {f"{a} vs {b}": check_same_step(timed[a], timed[b]) for a, b in (
+        ("TensorTrace_ELBO", "torch BBB"), ("SharpnessAwareELBO", "torch BBB-SAM"),
+        ("KLBallELBO (fisher)", "torch KL-ball (fisher)"), ("KLBallELBO (normalized_score)",
+                                                            "torch KL-ball (normalized score)"))}
+    checks["SGLD vs torch SGLD"] = check_same_gradient(timed["SGLD"], timed["torch SGLD"])
     times = interleaved_times(timed, args.repeats, args.steps, warmup=args.warmup)
     med = medians_ms(times)
     lines = [
         "# Every objective, kernel and optimizer at ResNet-18 scale: against its base and a hand-written torch loop",
         "",
-        f"{network.describe}; float32, Pyro's validation on, eager. {args.repeats} repeats x {args.steps} steps per "
+        f"{network.describe}; float32, Pyro's validation and torch.distributions' argument checks off for every "
+        f"variant, eager. {args.repeats} repeats x {args.steps} steps per "
         f"variant after {args.warmup} untimed warm-up step(s), **all {len(timed)} variants interleaved in one run** "
         "(every variant in every repeat, the order reversed every other repeat, so that the drift of the shared "
         f"2-core machine, where another job may run, hits all alike), median over repeats. {environment()}",
@@ -395,8 +417,11 @@ def main(argv: list[str] | None = None) -> str:
             f"| {method} | {base or '–'} | {f'{med[method] / med[base]:.2f}' if base else '–'} | {loop} | "
             f"{med[method] / med[loop]:.2f} | "
             f"{f'{med[loop] / med[loop_base]:.2f} ({loop_base})' if loop_base else '–'} |")
+    lines += ["", "Same arithmetic, checked before timing (largest relative difference of the loss and the gradients, "
+              "one step from the same seed; float32 rounding is about 1e-6 to 1e-5):", "",
+              *[f"- {pair}: {value:.1e}" for pair, value in checks.items()]]
     lines += ["", *timing_rows(times), "", f"Wall time of the run: {time.perf_counter() - start:.0f} s."]
-    return write_markdown(lines, args.out, __file__, argv)
+    return write_markdown(lines, out, __file__, argv)
 
 
 if __name__ == "__main__":
