@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
+    pyro.enable_validation(False)  # Pyro's checks and torch.distributions' argument checks, every variant
     pyro.set_rng_seed(0)
     data = load_digits()
     x, y = data.x_train[:BATCH], data.y_train[:BATCH]

@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bayesian_sam.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    pyro.enable_validation(False)  # Pyro's checks and torch.distributions' argument checks, for every variant
     data = load_digits().to(dtype=torch.float32)
     variants = {**torch_variants(data.x_train, data.y_train), **pyro_variants(data.x_train, data.y_train)}
     # 25 warm-up steps (the SWAG buffers fill up to K = 20)

@@ -151,6 +151,7 @@ def main(argv=None):
         parser.error(f"--steps must be a positive multiple of L = {INNER}, got {args.steps}")
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
+    pyro.enable_validation(False)  # Pyro's checks and torch.distributions' argument checks, every variant
     pyro.set_rng_seed(0)
     data = load_digits(dtype=torch.float32)
     steps = args.steps
