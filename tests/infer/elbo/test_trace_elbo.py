@@ -17,6 +17,8 @@ from pyro_flat.infer import TensorTrace_ELBO, TensorTraceMeanField_ELBO
 from pyro_flat.nn import BayesianMLP, init_to_network
 from pyro_flat.testing import HostSyncCounter
 
+from .test_sharpness_aware import loss_and_param_grads
+
 X = torch.tensor([-0.5, 2.0, 0.3, 1.1, 0.7, -1.4], dtype=torch.float64)
 
 
@@ -51,13 +53,7 @@ def mlp():
 
 def loss_and_grads(elbo, model, guide, args, kwargs, seed=3):
     pyro.set_rng_seed(seed)
-    with poutine.trace(param_only=True) as tr:
-        loss = elbo.loss_and_grads(model, guide, *args, **kwargs)
-    params = {name: site["value"].unconstrained() for name, site in tr.trace.nodes.items()}
-    grads = {name: p.grad.clone() for name, p in params.items()}
-    for p in params.values():
-        p.grad = None
-    return loss, grads
+    return loss_and_param_grads(elbo, model, guide, *args, **kwargs)
 
 
 CASES = {
