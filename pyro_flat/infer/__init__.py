@@ -15,7 +15,7 @@ from .elbo import (
 from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .particles import BatchedMAP, BatchedPotential, BatchedSGLD, init_particles
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
-from .util import at_latent_values, is_latent_site, latent_sites, latent_supports
+from .util import NothingToPerturbWarning, at_latent_values, is_latent_site, latent_sites, latent_supports
 
 __all__ = [
     "autoguide",
@@ -41,6 +41,7 @@ __all__ = [
     "JitSharpnessAwareELBO",
     "JitSharpnessAwareMeanFieldELBO",
     "KLBallELBO",
+    "NothingToPerturbWarning",
     "SharpnessAwareELBO",
     "SharpnessAwareMeanFieldELBO",
     "bma_predict",
