@@ -53,7 +53,8 @@ selective outer ``poutine.block`` hides a site from the transform as inside; an 
 **Nothing to perturb.** A run without an observed site (e.g. ``y`` omitted) or without a continuous latent site
 gives the model's own density; in a run with gradients enabled (an inference step) a
 :class:`~pyro_flat.infer.NothingToPerturbWarning` says so, once per transformed model and cause (under
-``torch.no_grad()``, e.g. ``Predictive`` drawing the observations, it is expected and silent).
+``torch.no_grad()``, e.g. ``Predictive`` drawing the observations, or with the observations hidden by an outer block,
+e.g. an autoguide's prototype run, it is expected and silent).
 
 References:
     * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
@@ -124,14 +125,15 @@ class _RecordingPass(RunRecorder):
         self.deltas: dict[str, Tensor] = {}
         self.likelihood: dict[str, dict] = {}
         self.discrete: list[str] = []
+        self.hidden_observations = False
         self._sampled: set[str] = set()
         self._likelihood_names: set[str] = set()
 
     def _process_message(self, msg: dict) -> None:
         # runs before the enclosing handlers, which may still observe (condition) or hide (block) the site
         if msg["type"] == "sample" and not site_is_subsample(msg):
-            if hidden_outside(self, msg, "sharpness_aware"):
-                pass  # invisible to the transform, as if blocked inside it
+            if hidden_outside(self, msg, "sharpness_aware"):  # invisible to the transform, as if blocked inside it
+                self.hidden_observations |= is_likelihood_site(msg)  # (e.g. by an autoguide's prototype run)
             elif is_likelihood_site(msg):
                 msg["stop"] = True  # the enclosing handlers never see it; it is scored at the perturbed values instead
                 self._likelihood_names.add(msg["name"])
@@ -368,7 +370,7 @@ class SharpnessAwareModel(nn.Module):
         # handlers at theta, here only the difference to theta + eps): one likelihood, as if all were inside
         likelihood = {**record.likelihood, **record.conditioned}
         if not likelihood:  # e.g. Predictive with y=None: nothing to perturb
-            if grad_enabled:
+            if grad_enabled and not record.hidden_observations:
                 warn_nothing_to_perturb(self, "no observation", (
                     "sharpness_aware: the model observes nothing in this run (no observed sample site: were the "
                     "observations, e.g. `y`, passed?), so there is no likelihood to perturb: the density is the "
