@@ -91,6 +91,8 @@ def run_sgmcmc(
     num_steps = draw_steps[-1] + 1
     args, kwargs = problem.setup_args()
     kernel.setup(num_steps, *args, **kwargs)  # every sample() call is then one transition
+    if isinstance(kernel, EntropyMCMC):  # its warm-up (anchors drawn from their conditional) is the real one
+        kernel.anchor_warmup_steps = warmup_steps
     chain = Holder(kernel.initial_params)
     names = kernel.save_params
     ctx = problem.context

@@ -19,7 +19,7 @@ from .mcmc import SGHMC, SGLD, EntropyMCMC, EntropySGD, EntropySGLD
 from .particles import BatchedMAP, BatchedPotential, BatchedSGLD, init_particles
 from .predict import bma_predict, guide_draws, predict_logits, sample_draws, set_prediction_mode
 from .svi import TensorSVI
-from .util import at_latent_values, is_latent_site, latent_sites, latent_supports
+from .util import NothingToPerturbWarning, at_latent_values, is_latent_site, latent_sites, latent_supports
 
 __all__ = [
     "autoguide",
@@ -46,6 +46,7 @@ __all__ = [
     "JitSharpnessAwareMeanFieldELBO",
     "JitTensorTrace_ELBO",
     "KLBallELBO",
+    "NothingToPerturbWarning",
     "SharpnessAwareELBO",
     "SharpnessAwareMeanFieldELBO",
     "TensorSVI",

@@ -40,6 +40,7 @@ from .._validation import check_int
 from ..ops.diffusions import langevin_step
 from ..ops.sam import check_radius, sam_perturbation
 from .mcmc.base import ModelPotential, initialize_sg_model
+from .mcmc.diagnostics import check_mixing
 
 __all__ = ["BatchedMAP", "BatchedPotential", "BatchedSGLD", "init_particles"]
 
@@ -183,12 +184,15 @@ class BatchedSGLD:
         warmup_steps: int = 0,
         thinning: int = 1,
     ) -> Particles:
-        """Run ``warmup_steps`` steps, then keep every ``thinning``-th state ``num_samples`` times.
+        r"""Run ``warmup_steps`` steps, then keep every ``thinning``-th state ``num_samples`` times.
 
         :param batches: called once per step, returns the model's ``(args, kwargs)`` (e.g. a random minibatch with
             ``num_data=N``).
         :returns: the draws in constrained coordinates, ``{site: [K, num_samples, ...]}`` (the layout of
-            ``MCMC.get_samples(group_by_chain=True)``; flatten the first two dimensions for ``Predictive``).
+            ``MCMC.get_samples(group_by_chain=True)``; flatten the first two dimensions for ``Predictive``). With
+            :math:`K\ge2` chains of at least 4 draws, :func:`~pyro_flat.infer.mcmc.check_mixing` warns if their split
+            :math:`\hat R` shows that they have clearly not mixed (chains started apart in different modes of a
+            network never do: the warning then says that they sample those modes separately).
         """
         for name, value, minimum in (("num_samples", num_samples, 1), ("warmup_steps", warmup_steps, 0),
                                      ("thinning", thinning, 1)):
@@ -202,7 +206,10 @@ class BatchedSGLD:
             self.step(*args, **kwargs)
             if (i + 1) % thinning == 0:
                 draws.append(self.potential.constrained(self.particles))
-        return {name: torch.stack([d[name] for d in draws], dim=1) for name in draws[0]}
+        out = {name: torch.stack([d[name] for d in draws], dim=1) for name in draws[0]}
+        if self.num_chains >= 2 and num_samples >= 4:
+            check_mixing(out)
+        return out
 
 
 class BatchedMAP:

@@ -7,11 +7,15 @@ see the same randomness and the same data as the first, so :class:`RunRecorder` 
 :meth:`RunRecorder.replay` runs code again under these rules:
 
 * **the same random numbers**: torch's generators (CPU and the initialised CUDA devices) are set to their state at
-  the start of the recorded run, and after every recorded sample site to the state recorded after it — so the
-  guide redraws the same base noise, dropout layers the same masks, and a site whose value the replay gives instead
-  of drawing does not shift the stream. After the replay the stream continues exactly as after the recorded run;
+  the start of the recorded run, and before and after every recorded sample site to the states recorded there — so
+  the guide redraws the same base noise (even when the recorded run drew other numbers before it, e.g. a fresh
+  autoguide setting itself up), dropout layers the same masks, and a site whose value the replay gives instead of
+  drawing does not shift the stream. After the replay the stream continues exactly as after the recorded run;
 * **the same minibatch and observations**: the indices of every subsampled ``pyro.plate`` (of the model and of the
-  guide) and every observed value are replayed (``pyro.deterministic`` records are recomputed);
+  guide) are replayed, and so are the values of the sites that handlers *outside* the recorder observed (e.g. an
+  outer ``pyro.condition``, which the blocked replay does not reach). A site observed inside the replayed code — by
+  the model, a ``pyro.condition`` inside it, a ``pyro.deterministic`` record, a ``poutine.reparam`` site — is
+  observed again there, at the value that code gives it in the replay;
 * **no side effect on BatchNorm**: a BatchNorm layer run during the replay normalises with the batch statistics in
   training mode (and the running ones in eval mode), as always, but updates neither its running statistics nor
   ``num_batches_tracked``;
@@ -68,12 +72,14 @@ class RecordedSite:
     :param value: its value at the end of the site.
     :param bool is_observed: whether it was observed.
     :param bool is_subsample: whether it holds the indices of a subsampled ``pyro.plate``.
+    :param state_before: the generators' state when the site reached the recorder.
     :param state_after: the generators' state right after the site.
     """
 
     value: Tensor
     is_observed: bool
     is_subsample: bool
+    state_before: RandomState
     state_after: RandomState
 
 
@@ -96,7 +102,7 @@ class RunRecorder(Messenger):
         self.sites: dict[tuple[str, int], RecordedSite] = {}
         self.start_state: RandomState | None = None
         self._counts: Counter[str] = Counter()
-        self._keys: dict[int, tuple[str, int]] = {}
+        self._keys: dict[int, tuple[tuple[str, int], RandomState]] = {}
 
     def __enter__(self) -> RunRecorder:
         self.devices = _cuda_devices()
@@ -104,15 +110,15 @@ class RunRecorder(Messenger):
         self.start_state = _get_random_state(self.devices)
         return super().__enter__()
 
-    def _site_key(self, msg: dict) -> tuple[str, int]:
-        """The key ``(name, occurrence)`` of a sample message, fixed when the message first reaches this handler (an
-        outer handler may rename it, as ``poutine.do`` does)."""
-        key = self._keys.get(id(msg))
-        if key is None:
-            key = (msg["name"], self._counts[msg["name"]])
+    def _site_key(self, msg: dict) -> tuple[tuple[str, int], RandomState]:
+        """The key ``(name, occurrence)`` of a sample message and the random state, fixed when the message first
+        reaches this handler (an outer handler may rename it, as ``poutine.do`` does)."""
+        entry = self._keys.get(id(msg))
+        if entry is None:
+            entry = ((msg["name"], self._counts[msg["name"]]), _get_random_state(self.devices))
             self._counts[msg["name"]] += 1
-            self._keys[id(msg)] = key
-        return key
+            self._keys[id(msg)] = entry
+        return entry
 
     def _process_message(self, msg: dict) -> None:
         if msg["type"] == "sample":
@@ -122,9 +128,9 @@ class RunRecorder(Messenger):
     def _postprocess_message(self, msg: dict) -> None:
         super()._postprocess_message(msg)
         if msg["type"] == "sample":
-            key = self._keys.pop(id(msg), None) or self._site_key(msg)
+            key, before = self._keys.pop(id(msg), None) or self._site_key(msg)
             self.sites[key] = RecordedSite(
-                msg["value"], bool(msg["is_observed"]), site_is_subsample(msg), _get_random_state(self.devices)
+                msg["value"], bool(msg["is_observed"]), site_is_subsample(msg), before, _get_random_state(self.devices)
             )
 
     @contextlib.contextmanager
@@ -164,11 +170,13 @@ class _Replayer(Messenger):
             site = self.record.sites.get(key)
             if site is not None:
                 self._sites[id(msg)] = site
+                _set_random_state(site.state_before, self.record.devices)
             if msg["name"] in self.values:
                 msg["value"] = self.values[msg["name"]]
-            elif site is not None and (site.is_subsample or site.is_observed) and not msg["infer"].get(
-                "_deterministic"
-            ):  # (a pyro.deterministic record is recomputed: its value is a function of the values replayed)
+            elif site is not None and (site.is_subsample or site.is_observed and not msg["is_observed"]):
+                # observed outside the recorder (blocked here): the recorded observation. A site observed inside the
+                # replayed code (by the model, an inner condition, pyro.deterministic, a reparameterisation) already
+                # has the value that code gives it now
                 msg["value"] = site.value
                 msg["is_observed"] = site.is_observed
         if self.block:

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 from pyro import poutine
+from pyro.distributions import Delta
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import constraints
+
+
+class NothingToPerturbWarning(UserWarning):
+    """A flat objective or model transform found nothing to perturb (no latent site, no observation, a guide without
+    parameters): its value is the base objective's, or the model's own density. Issued once per objective or
+    transformed model and cause."""
+
+
+def warn_nothing_to_perturb(owner: object, cause: str, message: str) -> None:
+    """A :class:`NothingToPerturbWarning` with ``message``, the first time ``owner`` meets ``cause`` (a check made
+    in Python on the traced sites: no host read)."""
+    warned = owner.__dict__.setdefault("_nothing_to_perturb", set())
+    if cause not in warned:
+        warned.add(cause)
+        warnings.warn(message, NothingToPerturbWarning, stacklevel=3)
 
 
 def is_latent_site(site: dict) -> bool:
@@ -21,6 +38,21 @@ def is_latent_site(site: dict) -> bool:
         and not site["infer"].get("_deterministic", False)
         and not site["infer"].get("is_auxiliary", False)
     )
+
+
+def is_deterministic_site(site: dict) -> bool:
+    """A sample site that only records a function of other sites: a ``pyro.deterministic`` record, or the observed
+    ``Delta`` that ``poutine.reparam`` puts in place of a reparameterised site (``LocScaleReparam``,
+    ``TransformReparam``, ...; Pyro's own rule in ``pyro.infer.inspect``). Its value is recomputed, never scored as
+    an observation."""
+    if site["type"] != "sample":
+        return False
+    if site["infer"].get("_deterministic", False):
+        return True
+    fn = site["fn"]
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return bool(site["is_observed"]) and isinstance(fn, Delta)
 
 
 def latent_sites(trace: poutine.Trace) -> dict[str, Tensor]:

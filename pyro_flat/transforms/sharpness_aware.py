@@ -37,12 +37,24 @@ same subsample indices, random numbers and observations, BatchNorm statistics fr
 as the factor site ``"sharpness_aware_log_likelihood"``. The ascent is taken in each site's unconstrained space, with
 one norm per particle under ``vectorize_particles``.
 
-**Handlers applied outside the transformed model** give the density of the transform applied outside them: a site
-that an outer ``pyro.condition`` observes is an observation, as if conditioned inside — unless the model observes its
-data itself and every other latent site is conditioned too, the way Pyro's HMC/NUTS potential and ``Predictive`` with
-``posterior_samples`` fix *latent values* (an ambiguous mix is refused, naming the sites); a selective outer
-``poutine.block`` hides a site from the transform as inside; an outer ``poutine.do`` is refused. To evaluate the
-density at given latent values use :func:`~pyro_flat.infer.at_latent_values`.
+**Handlers applied outside the transformed model** give the density of the transform applied inside them. One rule
+for conditioning: a site that an outer ``pyro.condition``/``poutine.condition`` gives a value is an *observation*,
+exactly as if conditioned inside — ``pyro.condition(sharpness_aware(model), data)`` is
+``sharpness_aware(pyro.condition(model, data))`` for any ``data`` (observations or latent sites), however many
+conditions are stacked and wherever the other sites are conditioned. Latent values are set with
+:func:`~pyro_flat.infer.at_latent_values` (Pyro's ``replay``), as pyro_flat's kernels and every guide do. Pyro's
+HMC/NUTS potential and ``Predictive`` fix latent values with ``poutine.condition``: on the transformed model they see
+the model's own density (nothing is left to perturb, and a :class:`~pyro_flat.infer.NothingToPerturbWarning` says so
+when gradients are on); sample the sharpness-aware posterior with :class:`~pyro_flat.infer.mcmc.SGLD` (F-SGLD). A
+selective outer ``poutine.block`` hides a site from the transform as inside; an outer ``poutine.do`` or
+``poutine.reparam`` is refused (apply them inside). A model reparameterised inside (``poutine.reparam``, e.g.
+``LocScaleReparam``) is perturbed through its new latent sites.
+
+**Nothing to perturb.** A run without an observed site (e.g. ``y`` omitted) or without a continuous latent site
+gives the model's own density; in a run with gradients enabled (an inference step) a
+:class:`~pyro_flat.infer.NothingToPerturbWarning` says so, once per transformed model and cause (under
+``torch.no_grad()``, e.g. ``Predictive`` drawing the observations, or with the observations hidden by an outer block,
+e.g. an autoguide's prototype run, it is expected and silent).
 
 References:
     * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
@@ -72,7 +84,7 @@ from torch.distributions.transforms import Transform
 from .._validation import all_true
 from ..distributed import all_reduce_mean, check_distributed
 from ..infer.replay import RunRecorder
-from ..infer.util import is_latent_site, is_real_support
+from ..infer.util import is_deterministic_site, is_latent_site, is_real_support, warn_nothing_to_perturb
 from ..ops.sam import check_radius, sam_perturbation
 from ._outer import hidden_outside
 
@@ -81,13 +93,14 @@ LOG_LIKELIHOOD_SITE = "sharpness_aware_log_likelihood"
 
 
 def is_likelihood_site(msg: Mapping) -> bool:
-    """An observed sample site that is part of the likelihood: not a ``pyro.deterministic`` record and not a plate's
-    subsample indices (``pyro.factor`` statements count as likelihood)."""
+    """An observed sample site that is part of the likelihood: not a ``pyro.deterministic`` record or a
+    ``poutine.reparam`` site (:func:`~pyro_flat.infer.util.is_deterministic_site`) and not a plate's subsample
+    indices (``pyro.factor`` statements count as likelihood)."""
     return (
         msg["type"] == "sample"
         and msg["is_observed"]
         and not site_is_subsample(msg)
-        and not msg["infer"].get("_deterministic", False)
+        and not is_deterministic_site(msg)
     )
 
 
@@ -97,9 +110,10 @@ class _RecordingPass(RunRecorder):
     It sorts the model's sample sites: **likelihood** sites, observed by the model itself (hidden from the enclosing
     handlers: they are scored at the perturbed values instead); **latent** sites, sampled by the model and left
     unobserved by the enclosing handlers; and **outer-conditioned** sites, sampled by the model but observed by an
-    enclosing ``pyro.condition`` (whether those are observations or latent values is decided after the run, see
-    :meth:`SharpnessAwareModel.forward`). With ``shift`` the model computes with :math:`\theta + \delta`,
-    :math:`\delta` a zero leaf per continuous site (so that :math:`\nabla_\delta` is the gradient in :math:`\theta`),
+    enclosing ``pyro.condition``: observations too, scored by the enclosing handlers at :math:`\theta` (the
+    transform adds the difference to :math:`\theta+\hat\epsilon`). With ``shift`` the model computes with
+    :math:`\theta + \delta`, :math:`\delta` a zero leaf per continuous latent site (so that :math:`\nabla_\delta`
+    is the gradient in :math:`\theta`),
     while the enclosing handlers record :math:`\theta` (their ``_postprocess_message`` runs before this innermost
     one). Sites hidden by a selective block outside the transform are ignored, as if blocked inside it."""
 
@@ -111,14 +125,15 @@ class _RecordingPass(RunRecorder):
         self.deltas: dict[str, Tensor] = {}
         self.likelihood: dict[str, dict] = {}
         self.discrete: list[str] = []
+        self.hidden_observations = False
         self._sampled: set[str] = set()
         self._likelihood_names: set[str] = set()
 
     def _process_message(self, msg: dict) -> None:
         # runs before the enclosing handlers, which may still observe (condition) or hide (block) the site
         if msg["type"] == "sample" and not site_is_subsample(msg):
-            if hidden_outside(self, msg, "sharpness_aware"):
-                pass  # invisible to the transform, as if blocked inside it
+            if hidden_outside(self, msg, "sharpness_aware"):  # invisible to the transform, as if blocked inside it
+                self.hidden_observations |= is_likelihood_site(msg)  # (e.g. by an autoguide's prototype run)
             elif is_likelihood_site(msg):
                 msg["stop"] = True  # the enclosing handlers never see it; it is scored at the perturbed values instead
                 self._likelihood_names.add(msg["name"])
@@ -137,14 +152,14 @@ class _RecordingPass(RunRecorder):
         if name not in self._sampled:
             return
         value, fn = msg["value"], msg["fn"]
-        if msg["is_observed"]:
+        if msg["is_observed"]:  # by an enclosing condition: an observation, as if conditioned inside
             self.conditioned[name] = {**msg, "value": value}
-        elif fn.support.is_discrete:
+            return
+        if fn.support.is_discrete:
             self.discrete.append(name)
             return
-        else:
-            self.latents[name] = (value, fn)
-        if self.shift and not fn.support.is_discrete:
+        self.latents[name] = (value, fn)
+        if self.shift:
             delta = torch.zeros_like(value, requires_grad=True)
             self.deltas[name] = delta
             msg["value"] = value + delta
@@ -319,39 +334,6 @@ class SharpnessAwareModel(nn.Module):
             perturbed[name] = value + e if transform is None else transform(transform.inv(value) + e)
         return perturbed
 
-    def _classify(self, record: _RecordingPass) -> dict[str, dict] | None:
-        """Decide what the sites observed by an enclosing ``pyro.condition`` are; return them if they are the
-        likelihood (then the transform emits a correction, see :meth:`forward`), ``None`` otherwise.
-
-        * the model observes nothing itself: they are its **observations**, exactly as if conditioned inside the
-          transform (``pyro.condition(sharpness_aware(model), data)`` is ``sharpness_aware(pyro.condition(model,
-          data))``);
-        * the model observes its own data and every other sampled site is conditioned: they are the **latent values**
-          at which the density is evaluated (the potential of Pyro's HMC/NUTS, ``Predictive`` with
-          ``posterior_samples``);
-        * otherwise the program is ambiguous and is refused, naming the sites.
-        """
-        if not record.conditioned:
-            return None
-        names = sorted(record.conditioned)
-        if record.likelihood and (record.latents or record.discrete):
-            raise ValueError(
-                f"sharpness_aware: the sites {names} are conditioned outside the transformed model while the model "
-                f"observes {sorted(record.likelihood)} itself and samples {sorted(record.latents) + record.discrete}: "
-                "it is ambiguous whether they are observations or latent values. Condition observations inside "
-                "(sharpness_aware(pyro.condition(model, data))) and set latent values with "
-                "pyro_flat.infer.at_latent_values"
-            )
-        if record.likelihood:  # latent values: the model's own likelihood is perturbed around them
-            for name in names:
-                site = record.conditioned[name]
-                if site["fn"].support.is_discrete:
-                    record.discrete.append(name)
-                else:
-                    record.latents[name] = (site["value"], site["fn"])
-            return None
-        return record.conditioned
-
     def _check_perturbed(self, record: _RecordingPass, perturbed: Mapping[str, Tensor]) -> None:
         """A clear error if a perturbed value overflowed out of its site's support (one host read; under validation
         or on the error path only)."""
@@ -367,7 +349,7 @@ class SharpnessAwareModel(nn.Module):
             )
 
     def _check_sites(self, record: _RecordingPass) -> None:
-        if record.discrete:
+        if record.discrete and (record.latents or record.likelihood):  # (else: e.g. Predictive drawing a class)
             raise ValueError(
                 f"sharpness_aware: latent sites {record.discrete} have discrete support; the SAM perturbation needs "
                 "continuous latent values"
@@ -384,20 +366,29 @@ class SharpnessAwareModel(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         with _RecordingPass(shift=grad_enabled) as record:
             result = self.model(*args, **kwargs)
-        outer_likelihood = self._classify(record)
-        likelihood = record.likelihood if outer_likelihood is None else outer_likelihood
-        if not likelihood:
-            return result  # e.g. Predictive with y=None: no likelihood, nothing to perturb
-        if outer_likelihood is not None and not record.latents:
-            return result  # the observations depend on no continuous latent: the density is the model's
-        self._check_sites(record)
-        if not record.latents:  # nothing to perturb: the SA posterior of no latent is the model's likelihood
-            pyro.factor(LOG_LIKELIHOOD_SITE, self._log_likelihood(likelihood, frames))
+        # the model's own observations (scored here) and those of enclosing conditions (scored by the enclosing
+        # handlers at theta, here only the difference to theta + eps): one likelihood, as if all were inside
+        likelihood = {**record.likelihood, **record.conditioned}
+        if not likelihood:  # e.g. Predictive with y=None: nothing to perturb
+            if grad_enabled and not record.hidden_observations:
+                warn_nothing_to_perturb(self, "no observation", (
+                    "sharpness_aware: the model observes nothing in this run (no observed sample site: were the "
+                    "observations, e.g. `y`, passed?), so there is no likelihood to perturb: the density is the "
+                    "model's own"))
             return result
+        self._check_sites(record)
+        if not record.latents:  # the SA posterior of no latent is the model's own
+            if grad_enabled:
+                self._warn_no_latent(record)
+            if record.likelihood:
+                pyro.factor(LOG_LIKELIHOOD_SITE, self._log_likelihood(record.likelihood, frames))
+            return result
+        outer_log_lik = self._log_likelihood(record.conditioned, frames) if record.conditioned else 0.0
         with torch.enable_grad():
             if grad_enabled:
                 deltas = [record.deltas[name] for name in record.latents]
-                log_lik = self._log_likelihood(likelihood, frames)
+                inner_log_lik = self._log_likelihood(record.likelihood, frames) if record.likelihood else 0.0
+                log_lik = inner_log_lik + outer_log_lik
             else:  # no graph from the recording pass: one extra replayed pass at theta + 0
                 deltas = [torch.zeros_like(v, requires_grad=True) for v, _ in record.latents.values()]
                 shifted = {name: v + d for (name, (v, _)), d in zip(record.latents.items(), deltas, strict=True)}
@@ -422,11 +413,22 @@ class SharpnessAwareModel(nn.Module):
             raise ValueError(
                 f"sharpness_aware (rho={self.rho}): the likelihood at the perturbed latent values failed: {error}"
             ) from error
-        if outer_likelihood is None:
-            pyro.factor(LOG_LIKELIHOOD_SITE, perturbed_log_lik)
-        else:  # the enclosing handlers scored the observations at theta: add the difference to theta + eps
-            pyro.factor(LOG_LIKELIHOOD_SITE, perturbed_log_lik - log_lik)
+        pyro.factor(LOG_LIKELIHOOD_SITE, perturbed_log_lik - outer_log_lik)
         return result
+
+    def _warn_no_latent(self, record: _RecordingPass) -> None:
+        conditioned = sorted(record.conditioned)
+        if conditioned:
+            why = (
+                f"the sites {conditioned} are conditioned outside the transformed model, and an outer condition "
+                "observes, exactly as one inside. Pyro's HMC/NUTS and Predictive set latent values that way and so "
+                "see the model's own density: evaluate the sharpness-aware density at latent values with "
+                "pyro_flat.infer.at_latent_values and sample it with pyro_flat.infer.mcmc.SGLD (F-SGLD)"
+            )
+        else:
+            why = "the model has no latent site"
+        warn_nothing_to_perturb(self, f"no latent {conditioned}", (
+            f"sharpness_aware: no latent site is left to perturb: {why}. The density is the model's own"))
 
 
 def sharpness_aware(
@@ -458,9 +460,10 @@ def sharpness_aware(
         :mod:`pyro_flat.distributed`); default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
     :returns: the transformed model, a :class:`SharpnessAwareModel`.
-    :raises ValueError: for a bad ``rho``; when called, for a discrete latent site, an ambiguous or intervening outer
-        handler, or a SAM step that leaves a site's support. (A model without latent sites has nothing to perturb: its
-        density is the model's.)
+    :raises ValueError: for a bad ``rho``; when called, for a discrete latent site, an outer ``poutine.do`` or
+        ``poutine.reparam``, or a SAM step that leaves a site's support. (A run without a latent site or an
+        observation has nothing to perturb: its density is the model's, with a
+        :class:`~pyro_flat.infer.NothingToPerturbWarning` when gradients are on.)
 
     .. warning:: :math:`\hat g` is the gradient of the *minibatch* log-likelihood: like SAM a stochastic objective,
         and SGLD on it is F-SGLD, not an exact sampler of :math:`q_{\mathrm{SA}}`.

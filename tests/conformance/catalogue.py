@@ -22,7 +22,9 @@ from pyro.infer.autoguide import (
     AutoMultivariateNormal,
     AutoNormal,
 )
+from pyro.infer.reparam import LocScaleReparam, TransformReparam
 from torch import nn
+from torch.distributions.transforms import AffineTransform
 
 from pyro_flat.nn import BayesianMLP
 
@@ -264,6 +266,37 @@ def enumerated_model(x):
 def enumerated_guide(x):
     pyro.sample("z", dist.Normal(pyro.param("zloc", torch.tensor(0.0)), 1.0))
 
+
+def centred_regression(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.3, 2.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal(w * x, 0.5), obs=y)
+
+
+def transformed_regression(x, y=None):
+    w = pyro.sample("w", dist.TransformedDistribution(dist.Normal(0.0, 1.0), [AffineTransform(0.3, 2.0)]))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal(w * x, 0.5), obs=y)
+
+
+def by_hand(latent: str) -> Callable:
+    """The two regressions above reparameterised by hand: ``latent ~ N(0, 1)``, ``w = 0.3 + 2 latent`` recorded by
+    ``pyro.deterministic`` (the sites and density that ``poutine.reparam`` gives them)."""
+
+    def model(x, y=None):
+        z = pyro.sample(latent, dist.Normal(0.0, 1.0))
+        w = pyro.deterministic("w", 0.3 + 2.0 * z)
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(w * x, 0.5), obs=y)
+
+    return model
+
+
+REPARAMETERISED = {  # poutine.reparam of a regression, its new latent site
+    "LocScaleReparam": (poutine.reparam(centred_regression, config={"w": LocScaleReparam(centered=0.0)}),
+                        "w_decentered"),
+    "TransformReparam": (poutine.reparam(transformed_regression, config={"w": TransformReparam()}), "w_base"),
+}
 
 MLP_X = torch.randn(12, 3, dtype=F64)
 MLP_Y = torch.randint(0, 2, (12,))

@@ -69,6 +69,36 @@ def test_observations_are_replayed_and_deterministic_records_recomputed():
     assert nodes["twice_w"]["value"] == 2 * w  # at the replayed value, not the first run's
 
 
+def test_numbers_drawn_before_a_site_in_the_recorded_run_only_do_not_shift_the_replay():
+    # issue 20 item 3: a fresh autoguide sets itself up on its first call (drawing from the prior, hidden from every
+    # handler) before its first site; the replay runs the set-up guide and must still redraw the first run's value
+    set_up = []
+
+    def guide():
+        if not set_up:
+            set_up.append(torch.rand(7))  # the set-up's draws
+        return pyro.sample("w", dist.Normal(0.0, 1.0))
+
+    with RunRecorder() as run:
+        w = guide()
+    with run.replay():
+        assert torch.equal(guide(), w)
+
+
+def test_a_site_observed_inside_the_replay_keeps_the_replayed_runs_value():
+    # issue 20 item 7: a closure conditions the model on values that move between the two runs (bSAM's closure on an
+    # AutoDelta, model_loss_fn); only sites observed by handlers outside the replay (blocked there) get the recorded
+    # value, a site observed inside it is observed again, at the new value
+    def model():
+        return pyro.sample("w", dist.Normal(0.0, 1.0))
+
+    with RunRecorder() as run:
+        pyro.condition(model, {"w": torch.tensor(0.5)})()
+    with poutine.trace() as tracer, run.replay(block=False):
+        pyro.condition(model, {"w": torch.tensor(2.0)})()
+    assert tracer.trace.nodes["w"]["value"] == 2.0 and tracer.trace.nodes["w"]["is_observed"]
+
+
 def test_the_replay_is_hidden_from_enclosing_handlers_unless_asked():
     with RunRecorder() as run:
         dropout_model(X, X)

@@ -194,6 +194,51 @@ def test_pyro_autodelta_form_reaches_the_blr_posterior_mean():
     torch.testing.assert_close(guide.median()["w"], m)
 
 
+def test_autodelta_closure_on_a_constrained_latent_is_the_documented_step():
+    # issue 20 item 7: the replayed closure got the first call's constrained AutoDelta value ("Trying to backward
+    # through the graph a second time"). One step on the unconstrained parameters, written from the docstring
+    import pyro
+    import pyro.distributions as dist
+    from torch.distributions import transform_to
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        s = pyro.sample("s", dist.HalfNormal(1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(w * x, s), obs=y)
+
+    x = torch.linspace(-1.0, 1.0, 20)
+    y = 0.5 * x + 0.3 * torch.randn(20, generator=torch.Generator().manual_seed(0))
+    guide = AutoDelta(model)
+    guide(x, y)
+    params = [guide.w_unconstrained, guide.s_unconstrained]
+    nll = model_loss_fn(model, x, y)
+    hyper = dict(lr=0.1, num_data=20, rho=0.05, prior_precision=1.0)
+    opt = BayesianSAM(params, generator=torch.Generator().manual_seed(2), **hyper)
+
+    def closure():
+        loss = nll(guide())
+        loss.backward()
+        return loss
+
+    def loss_at(u):
+        return nll({"w": u[0], "s": transform_to(dist.constraints.positive)(u[1])})
+
+    def grad_at(u):
+        u = [t.detach().clone().requires_grad_() for t in u]
+        return torch.autograd.grad(loss_at(u), u)
+
+    m = [p.detach().clone() for p in params]
+    opt.step(closure)
+    gen = torch.Generator().manual_seed(2)
+    e = [torch.randn(t.shape, generator=gen) for t in m]
+    g = grad_at([mi + ei / math.sqrt(hyper["num_data"]) for mi, ei in zip(m, e, strict=True)])  # s starts at 1
+    g_eps = grad_at([mi + hyper["rho"] * gi for mi, gi in zip(m, g, strict=True)])
+    delta = hyper["prior_precision"] / hyper["num_data"]
+    for p, mi, gi in zip(params, m, g_eps, strict=True):
+        torch.testing.assert_close(p.detach(), mi - hyper["lr"] * 0.1 * (gi + delta * mi))  # (1 - beta1) g_m / s
+
+
 def test_sampled_params_context_restores_the_mean():
     p = torch.randn(5, requires_grad=True)
     opt = BayesianSAM([p], num_data=10, init_scale=0.5)

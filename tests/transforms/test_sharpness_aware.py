@@ -1,6 +1,8 @@
 """sharpness_aware(model, rho): the density p(theta) exp(loglik_B(theta + eps(theta))) checked by hand (float64),
 with the same minibatch and the same random numbers in every pass, under SVI, MCMC potentials and Predictive."""
 
+import contextlib
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -9,11 +11,15 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal, init_to_value
 from pyro.infer.mcmc.util import initialize_model
+from pyro.infer.reparam import LocScaleReparam
 from pyro.ops.integrator import potential_grad
 
-from pyro_flat.infer import at_latent_values
+from pyro_flat.infer import NothingToPerturbWarning, at_latent_values
+from pyro_flat.infer.mcmc import initialize_sg_model
 from pyro_flat.nn import BayesianMLP, init_to_network
 from pyro_flat.transforms import LOG_LIKELIHOOD_SITE, SharpnessAwareModel, sharpness_aware
+
+from ..conformance.catalogue import REPARAMETERISED, by_hand, centred_regression
 
 
 def factor_value(trace):
@@ -51,11 +57,13 @@ def test_trace_holds_prior_at_theta_and_likelihood_at_the_perturbed_values():
 
 
 def test_mcmc_potential_and_its_gradient():
-    # U_SA(theta) = -log p(theta) - loglik(theta + eps(theta)), eps constant: grad U = theta - X^T (y - X (theta+eps))
+    # U_SA(theta) = -log p(theta) - loglik(theta + eps(theta)), eps constant: grad U = theta - X^T (y - X (theta+eps));
+    # the potential of pyro_flat's kernels (F-SGLD), which set the latent values with at_latent_values
     features, targets = regression_data()
     rho = 0.25
     sa_model = sharpness_aware(regression_model, rho)
-    _, potential_fn, transforms, _ = initialize_model(sa_model, model_args=(features, targets))
+    _, potential_fn, transforms = initialize_sg_model(sa_model, (features, targets), {}, init_to_value(
+        values={"theta": torch.zeros(2, dtype=torch.float64)}))
     theta = torch.tensor([0.7, -1.1], dtype=torch.float64)
     grads, potential = potential_grad(potential_fn, {"theta": theta})
     g = -features.T @ (targets - features @ theta)
@@ -66,9 +74,21 @@ def test_mcmc_potential_and_its_gradient():
     torch.testing.assert_close(potential, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(grads["theta"], theta - features.T @ (targets - features @ (theta + eps)),
                                atol=1e-12, rtol=0)
-    # the same potential by hand through poutine.condition
+    # the same potential by hand
     hand = -poutine.trace(at_latent_values(sa_model, {"theta": theta})).get_trace(features, targets).log_prob_sum()
     torch.testing.assert_close(hand, expected, atol=1e-12, rtol=0)
+
+
+def test_pyro_hmc_potential_conditions_the_latents_so_nothing_is_perturbed_and_it_says_so():
+    # Pyro's HMC/NUTS potential fixes latent values with poutine.condition, which observes them (issue 20 item 4: one
+    # rule for outer conditions): the density is the model's own, and a warning says so once
+    features, targets = regression_data()
+    theta = torch.tensor([0.7, -1.1], dtype=torch.float64)
+    with pytest.warns(NothingToPerturbWarning, match=r"\['theta'\] .*conditioned outside .*at_latent_values"):
+        _, potential_fn, _, _ = initialize_model(sharpness_aware(regression_model, 0.25),
+                                                 model_args=(features, targets))
+    _, plain_fn, _, _ = initialize_model(regression_model, model_args=(features, targets))
+    torch.testing.assert_close(potential_fn({"theta": theta}), plain_fn({"theta": theta}), atol=1e-12, rtol=0)
 
 
 def test_same_minibatch_when_the_indices_come_from_the_guide():
@@ -214,7 +234,8 @@ def test_predictive_on_the_transform_returns_the_model_at_theta():
         pyro.set_rng_seed(6)
         outputs.append(Predictive(m, guide=guide, num_samples=3, return_sites=["logits", "obs"])(x))
     torch.testing.assert_close(outputs[1]["logits"], outputs[0]["logits"], atol=0, rtol=0)
-    assert LOG_LIKELIHOOD_SITE not in poutine.trace(sa_model).get_trace(x).nodes  # no observation, no factor
+    with pytest.warns(NothingToPerturbWarning, match="observes nothing"):  # no observation, no factor
+        assert LOG_LIKELIHOOD_SITE not in poutine.trace(sa_model).get_trace(x).nodes
 
 
 def test_module_wrapper():
@@ -237,13 +258,59 @@ def test_not_callable():
         sharpness_aware("model", 0.1)
 
 
-def test_no_latent_site_leaves_the_likelihood_unperturbed():
+def test_no_latent_site_leaves_the_likelihood_unperturbed_and_warns_once():
+    # issue 20 item 5: nothing to perturb is not an error, but it is not silent either
     def model(x):
         pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
 
     x = torch.tensor(0.5, dtype=torch.float64)
-    trace = poutine.trace(sharpness_aware(model, 0.1)).get_trace(x)
-    torch.testing.assert_close(trace.log_prob_sum(), dist.Normal(0.0, 1.0).log_prob(x), atol=0, rtol=0)
+    sa_model = sharpness_aware(model, 0.1)
+    with pytest.warns(NothingToPerturbWarning, match="no latent site") as caught:
+        traces = [poutine.trace(sa_model).get_trace(x) for _ in range(3)]
+    assert len(caught) == 1  # once per transformed model
+    for trace in traces:
+        torch.testing.assert_close(trace.log_prob_sum(), dist.Normal(0.0, 1.0).log_prob(x), atol=0, rtol=0)
+
+
+def test_an_autoguide_on_the_transform_sets_up_without_warning():
+    # the prototype run of an autoguide blocks the observations from outside: deliberate, not a forgotten `y`
+    features, targets = regression_data()
+    AutoNormal(sharpness_aware(regression_model, 0.2))(features, targets)
+
+
+def test_no_observation_warns_once_except_without_gradients():
+    # issue 20 item 5: a run without the observations (y omitted) has no likelihood to perturb; under torch.no_grad
+    # (Predictive drawing y) that is expected and silent
+    features, targets = regression_data()
+    sa_model = sharpness_aware(regression_model, 0.2)
+    with torch.no_grad():
+        poutine.trace(sa_model).get_trace(features)
+    with pytest.warns(NothingToPerturbWarning, match="observes nothing") as caught:
+        for _ in range(2):
+            poutine.trace(sa_model).get_trace(features)
+    assert len(caught) == 1
+
+
+@pytest.mark.parametrize("reparam", list(REPARAMETERISED))
+def test_a_reparameterised_model_is_perturbed_through_its_new_latent(reparam):
+    # issue 20 item 2: poutine.reparam turns `w` into an observed Delta computed from the new latent; the perturbed
+    # pass got back the first pass's `w`, so the likelihood was scored unperturbed. The density must be the one of the
+    # same model written by hand (the new latent sampled, `w` a pyro.deterministic of it)
+    model, latent = REPARAMETERISED[reparam]
+    x = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
+    y = 1.2 * x + 0.1
+    values = {latent: torch.tensor(0.4, dtype=torch.float64)}
+    reparameterised = _density(sharpness_aware(model, 0.5), values, x, y)
+    torch.testing.assert_close(reparameterised, _density(sharpness_aware(by_hand(latent), 0.5), values, x, y),
+                               atol=1e-12, rtol=0)
+    assert (reparameterised - _density(model, values, x, y)).abs() > 1.0  # the perturbation acts
+
+
+def test_a_reparameterisation_outside_the_transform_is_refused_by_name():
+    x = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
+    outside = poutine.reparam(sharpness_aware(centred_regression, 0.5), config={"w": LocScaleReparam(centered=0.0)})
+    with pytest.raises(ValueError, match="poutine.reparam reparameterises site 'w' from outside"):
+        poutine.trace(outside).get_trace(x, x)
 
 
 # ----------------------------------------------------------------------------- handlers applied outside the transform
@@ -286,27 +353,57 @@ def test_outer_condition_gives_the_inside_gradient_under_svi():
     torch.testing.assert_close(grads[1][1], grads[0][1], atol=1e-12, rtol=1e-12)
 
 
-def test_conditioning_every_latent_from_outside_evaluates_the_density_there():
-    # the potential of Pyro's HMC/NUTS (and Predictive with posterior_samples) condition every latent site while
-    # the model observes its data itself: those are latent values, not observations
-    features, targets = regression_data()
-    theta = torch.tensor([0.3, -0.2], dtype=torch.float64)
-    conditioned = poutine.trace(pyro.condition(sharpness_aware(regression_model, 0.4), {"theta": theta})).get_trace(
-        features, targets).log_prob_sum()
-    at_values = poutine.trace(at_latent_values(sharpness_aware(regression_model, 0.4), {"theta": theta})).get_trace(
-        features, targets).log_prob_sum()
-    torch.testing.assert_close(conditioned, at_values, atol=1e-12, rtol=0)
+def two_latent_model(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal(w * x + b, 0.3), obs=y)
 
 
-def test_ambiguous_outer_conditioning_names_the_sites():
-    def model(x, y1=None, y2=None):
+def test_a_latent_conditioned_outside_is_an_observation_whatever_else_is_stacked():
+    # issue 20 item 4: condition(fn, {"w": 0.7}) perturbed w when fn conditioned the data inside the transform and did
+    # not when fn conditioned it outside. One rule: a condition outside the transform observes, exactly as the same
+    # condition inside, however the handlers are stacked and wherever the data are conditioned
+    x = torch.linspace(-1.0, 1.0, 10, dtype=torch.float64)
+    y = 0.5 * x + 0.2 + 0.3 * torch.randn(10, dtype=torch.float64)
+    w, b = {"w": torch.tensor(0.7, dtype=torch.float64)}, {"b": torch.tensor(-0.1, dtype=torch.float64)}
+    inside = _density(sharpness_aware(pyro.condition(two_latent_model, {**w, "y": y}), 0.1), b, x)
+    programs = {
+        "data inside, w outside": (pyro.condition(sharpness_aware(pyro.condition(two_latent_model, {"y": y}), 0.1), w),
+                                   (x,)),
+        "data outside, then w": (pyro.condition(pyro.condition(sharpness_aware(two_latent_model, 0.1), {"y": y}), w),
+                                 (x,)),
+        "w outside, then data": (pyro.condition(pyro.condition(sharpness_aware(two_latent_model, 0.1), w), {"y": y}),
+                                 (x,)),
+        "both in one condition": (pyro.condition(sharpness_aware(two_latent_model, 0.1), {**w, "y": y}), (x,)),
+        "data passed, w outside": (pyro.condition(sharpness_aware(two_latent_model, 0.1), w), (x, y)),
+    }
+    for name, (program, args) in programs.items():
+        torch.testing.assert_close(_density(program, b, *args), inside, atol=1e-12, rtol=0, msg=name)
+    plain = _density(pyro.condition(two_latent_model, {**w, "y": y}), b, x)
+    assert (inside - plain).abs() > 0.1  # b is perturbed
+
+
+def test_the_one_latent_regression_of_the_issue_gives_one_answer():
+    # issue 20 item 4's case: conditioning the only latent outside leaves nothing to perturb in both programs (the
+    # density is the model's, -6.021 there, not -7.691 for one of them), and each says so
+    x = torch.linspace(-1.0, 1.0, 10, dtype=torch.float64)
+    y = 0.5 * x + 0.3 * torch.randn(10, dtype=torch.float64)
+
+    def model(x, y=None):
         w = pyro.sample("w", dist.Normal(0.0, 1.0))
-        pyro.sample("y1", dist.Normal(w * x, 1.0).to_event(1), obs=y1)
-        pyro.sample("y2", dist.Normal(w * x, 1.0).to_event(1), obs=y2)
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(w * x, 0.3), obs=y)
 
-    x = torch.linspace(0, 1, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"the sites \['y2'\] are conditioned outside .* ambiguous"):
-        poutine.trace(pyro.condition(sharpness_aware(model, 0.1), {"y2": x})).get_trace(x, x)
+    w = {"w": torch.tensor(0.7, dtype=torch.float64)}
+    densities = []
+    for fn in (sharpness_aware(pyro.condition(model, {"obs": y}), 0.1),
+               pyro.condition(sharpness_aware(model, 0.1), {"obs": y})):
+        with pytest.warns(NothingToPerturbWarning, match=r"'w'\] are conditioned outside"):
+            densities.append(poutine.trace(poutine.condition(fn, w)).get_trace(x).log_prob_sum())
+    plain = poutine.trace(pyro.condition(model, {**w, "obs": y})).get_trace(x).log_prob_sum()
+    for density in densities:
+        torch.testing.assert_close(density, plain, atol=1e-12, rtol=0)
 
 
 def test_outer_do_is_refused_with_the_site_name():
@@ -331,7 +428,10 @@ def test_outer_selective_block_is_the_same_density_as_inside():
         for program in (poutine.block(sharpness_aware(model, 0.3), hide=hidden),
                         sharpness_aware(poutine.block(model, hide=hidden), 0.3)):
             pyro.set_rng_seed(0)  # "b" is drawn from its prior when hidden from the replay
-            densities.append(_density(program, values, x, y))
+            # a model that observes nothing (its observations blocked inside) says so; a block outside is deliberate
+            inside_without_data = hidden == ["y"] and isinstance(program, SharpnessAwareModel)
+            with pytest.warns(NothingToPerturbWarning) if inside_without_data else contextlib.nullcontext():
+                densities.append(_density(program, values, x, y))
         torch.testing.assert_close(densities[0], densities[1], atol=1e-12, rtol=0)
 
 

@@ -383,11 +383,13 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
 
     Unlike :class:`~pyro.distributions.LowRankMultivariateNormal`, nothing is factorised at construction (the
     capacitance matrix of that class can fail to factorise when SWAG clamps variances to :math:`10^{-30}`): sampling
-    costs :math:`O(PK)`, and :meth:`log_prob` builds the low-rank factorisation only when called.
+    costs :math:`O(PK)`, and :meth:`log_prob` builds the low-rank factorisation only when called. Leading dimensions
+    of the parameters are batch dimensions, and :meth:`expand` adds them (Pyro's vectorised plates:
+    ``Predictive(parallel=True)``, vectorised particles): a batch of draws is the same as as many draws.
 
-    :param loc: :math:`\mu`, shape ``[P]``.
-    :param cov_diag: :math:`d > 0`, shape ``[P]``.
-    :param cov_factor: :math:`W`, shape ``[P, K]`` (``K = 0`` gives a diagonal Gaussian).
+    :param loc: :math:`\mu`, shape ``[..., P]``.
+    :param cov_diag: :math:`d > 0`, shape ``[..., P]``.
+    :param cov_factor: :math:`W`, shape ``[..., P, K]`` (``K = 0`` gives a diagonal Gaussian).
     :param validate_args: as for every torch distribution (default: Pyro's validation setting).
     """
 
@@ -400,13 +402,18 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
     has_rsample = True
 
     def __init__(self, loc: Tensor, cov_diag: Tensor, cov_factor: Tensor, validate_args: bool | None = None) -> None:
-        if loc.dim() != 1 or cov_diag.shape != loc.shape or cov_factor.dim() != 2 or cov_factor.shape[0] != len(loc):
+        if (loc.dim() < 1 or cov_diag.dim() < 1 or cov_factor.dim() < 2 or cov_diag.shape[-1] != loc.shape[-1]
+                or cov_factor.shape[-2] != loc.shape[-1]):
             raise ValueError(
-                f"expected loc [P], cov_diag [P], cov_factor [P, K]; got {tuple(loc.shape)}, {tuple(cov_diag.shape)}, "
-                f"{tuple(cov_factor.shape)}"
+                f"expected loc [..., P], cov_diag [..., P], cov_factor [..., P, K]; got {tuple(loc.shape)}, "
+                f"{tuple(cov_diag.shape)}, {tuple(cov_factor.shape)}"
             )
-        self.loc, self.cov_diag, self.cov_factor = loc, cov_diag, cov_factor
-        super().__init__(torch.Size(), loc.shape, validate_args=validate_args)
+        batch_shape = torch.broadcast_shapes(loc.shape[:-1], cov_diag.shape[:-1], cov_factor.shape[:-2])
+        event_shape = loc.shape[-1:]
+        self.loc = loc.expand(batch_shape + event_shape)
+        self.cov_diag = cov_diag.expand(batch_shape + event_shape)
+        self.cov_factor = cov_factor.expand(batch_shape + cov_factor.shape[-2:])
+        super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     @property
     def mean(self) -> Tensor:
@@ -417,13 +424,13 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
         return self.cov_diag + self.cov_factor.square().sum(-1)
 
     def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
-        shape = torch.Size(sample_shape)
-        z1 = torch.randn(shape + self.loc.shape, dtype=self.loc.dtype, device=self.loc.device)
+        shape = self._extended_shape(sample_shape)
+        z1 = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
         out = self.loc + self.cov_diag.sqrt() * z1
         rank = self.cov_factor.shape[-1]
         if rank > 0:
-            z2 = torch.randn(shape + (rank,), dtype=self.loc.dtype, device=self.loc.device)
-            out = out + z2 @ self.cov_factor.T
+            z2 = torch.randn(shape[:-1] + (rank,), dtype=self.loc.dtype, device=self.loc.device)
+            out = out + (z2.unsqueeze(-2) @ self.cov_factor.transpose(-1, -2)).squeeze(-2)
         return out
 
     def log_prob(self, value: Tensor) -> Tensor:
@@ -433,10 +440,15 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
             return dist.Normal(self.loc, self.cov_diag.sqrt()).log_prob(value).sum(-1)
         return torch.distributions.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag).log_prob(value)
 
-    def expand(self, batch_shape: torch.Size, _instance: object = None) -> dist.TorchDistribution:
-        if tuple(batch_shape) != ():
-            raise NotImplementedError("LowRankPlusDiagonalNormal has no batch dimensions")
-        return self
+    def expand(self, batch_shape: torch.Size, _instance: object = None) -> LowRankPlusDiagonalNormal:
+        new = self._get_checked_instance(LowRankPlusDiagonalNormal, _instance)
+        batch_shape = torch.Size(batch_shape)
+        new.loc = self.loc.expand(batch_shape + self.event_shape)
+        new.cov_diag = self.cov_diag.expand(batch_shape + self.event_shape)
+        new.cov_factor = self.cov_factor.expand(batch_shape + self.cov_factor.shape[-2:])
+        super(LowRankPlusDiagonalNormal, new).__init__(batch_shape, self.event_shape, validate_args=False)
+        new._validate_args = self._validate_args
+        return new
 
 
 def _flat(values: Mapping[str, Tensor], names: list[str]) -> Tensor:
@@ -502,6 +514,7 @@ class AutoGaussianPosterior(AutoContinuous):
         name = site["name"]
         if name not in self._shapes:
             return init_to_sample(site)
+        self._check_site(name, site["fn"].support)  # a value in the support's space has another shape: say so first
         subsampled = [f.name for f in site["cond_indep_stack"] if f.size != f.full_size]
         if subsampled:
             raise ValueError(

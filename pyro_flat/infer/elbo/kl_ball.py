@@ -40,8 +40,9 @@ from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoLowRankMulti
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.guide import GuideMessenger
 from pyro.poutine.util import site_is_subsample
-from torch import Tensor
-from torch.distributions import kl_divergence, transform_to
+from torch import Tensor, nn
+from torch.distributions import TransformedDistribution, kl_divergence, transform_to
+from torch.distributions.transforms import Transform
 
 from ..._validation import all_true, check_int
 from ...distributed import all_reduce_mean, check_distributed
@@ -53,7 +54,9 @@ from ...ops.fisher import (
     normalized_score_step,
 )
 from ...ops.sam import check_radius
+from ...transforms.sharpness_aware import is_likelihood_site
 from ..replay import RunRecorder, substituted_tensors
+from ..util import warn_nothing_to_perturb
 from .trace_elbo import TensorTrace_ELBO
 
 __all__ = ["KLBallELBO"]
@@ -92,6 +95,51 @@ def _point_mass(fn: dist.Distribution) -> dist.Delta | None:
     while hasattr(fn, "base_dist"):
         fn = fn.base_dist
     return fn if isinstance(fn, dist.Delta) else None
+
+
+def _guide_name(guide: object) -> str:
+    return getattr(guide, "__name__", type(guide).__name__)
+
+
+def _flow_transforms(fn: dist.Distribution) -> list[str]:
+    """The names of the transforms that carry the guide's parameters (tensors requiring a gradient) in the
+    ``TransformedDistribution`` inside ``fn`` (a normalising flow), or ``[]``."""
+    while not isinstance(fn, TransformedDistribution) and hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    if not isinstance(fn, TransformedDistribution):
+        return []
+    return [type(t).__name__ for t in fn.transforms if _carries_parameters(t, set())]
+
+
+def _carries_parameters(transform: object, seen: set[int]) -> bool:
+    if id(transform) in seen:
+        return False
+    seen.add(id(transform))
+    if isinstance(transform, nn.Module):
+        return any(p.requires_grad for p in transform.parameters())
+    for value in vars(transform).values():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, Tensor) and v.requires_grad or isinstance(v, Transform) and _carries_parameters(v, seen):
+                return True
+    return False
+
+
+def _moving_point_mass(name: str, point: dist.Delta, guide: object) -> ValueError:
+    """The refusal of a guide site that is a ``Delta`` moving with the guide's parameters (its parents fixed)."""
+    if isinstance(point.log_density, Tensor) and point.log_density.requires_grad:
+        return ValueError(
+            f"KLBallELBO: guide site {name!r} of {_guide_name(guide)} is a Delta that carries the guide's density: its "
+            "value and log-density are functions of the guide's parameters and of parameter-free auxiliary noise "
+            "(a map of that noise, as AutoStructured builds). The guide's log-density at a given value, which its KL "
+            "divergence and its score need, would take the inverse of that map, which the guide does not provide. "
+            "Use a guide whose sites are distributions of the parameters (AutoNormal, AutoMultivariateNormal, "
+            "AutoLowRankMultivariateNormal, a hand-written guide)"
+        )
+    return ValueError(
+        f"KLBallELBO: guide site {name!r} is a point mass (Delta) that moves with the guide's parameters; a point "
+        "mass has no KL ball"
+    )
 
 
 def _guide_parameters(guide_trace: poutine.Trace) -> dict[str, Tensor]:
@@ -147,7 +195,10 @@ class KLBallELBO(TensorTrace_ELBO):
     :raises ValueError: for bad options; at the first step, for ``AutoDelta`` (a point mass has no KL ball), a
         guide site without ``rsample``, an enumerated site, or a guide site whose KL divergence has no closed form
         (``"fisher"``; use ``"normalized_score"``). A guide without parameters or a model without observations
-        leaves nothing to perturb: the objective is then ``Trace_ELBO``'s.
+        leaves nothing to perturb: the objective is then ``Trace_ELBO``'s, with a
+        :class:`~pyro_flat.infer.NothingToPerturbWarning` (once per objective and cause). A model reparameterised by
+        ``poutine.reparam`` is perturbed through its new latent sites (the reparameterised site is a deterministic
+        record, not data).
 
     .. note:: Every entry point, ``loss`` (and ``SVI.evaluate_loss``) included, needs one gradient evaluation to find
         :math:`\delta^*`; the first pass runs with autograd enabled even under ``torch.no_grad()``.
@@ -215,23 +266,37 @@ class KLBallELBO(TensorTrace_ELBO):
         with torch.enable_grad():  # delta* needs a gradient even under torch.no_grad() (SVI.evaluate_loss)
             model_trace, guide_trace, run = self._first_pass(model, guide, args, kwargs)
             leaves = _guide_parameters(guide_trace)
-            observed = any(s["type"] == "sample" and s["is_observed"] for s in model_trace.nodes.values())
+            observed = any(is_likelihood_site(site) for site in model_trace.nodes.values())
             # no guide parameter, or no data term: the KL ball is a point or nothing depends on it, delta* = 0
             delta = self._perturbation(leaves, model_trace, guide_trace, run, guide, args, kwargs) if (
                 leaves and observed) else {}
+        if not (leaves and observed):
+            self._warn_nothing_to_perturb(guide, bool(leaves), observed)
         if delta:
             moved = [(leaf, leaf + delta[name]) for name, leaf in leaves.items() if name in delta]
             perturbed = self._perturbed_data_term(model, guide, args, kwargs, run, moved)
             for name, site in model_trace.nodes.items():
-                if site["type"] == "sample" and site["is_observed"]:
+                if is_likelihood_site(site):
                     model_trace.nodes[name] = perturbed.nodes[name]
-        for site in model_trace.nodes.values():
-            if site["type"] == "sample" and not site["is_observed"] and self.kl_weight != 1.0:
+        for site in model_trace.nodes.values():  # the prior term: every sample site but the likelihood
+            if site["type"] == "sample" and not is_likelihood_site(site) and self.kl_weight != 1.0:
                 _scale_site(site, self.kl_weight)
         if self.kl_weight != 1.0:
             for _, site in _latent_guide_sites(guide_trace):
                 _scale_site(site, self.kl_weight)
         return model_trace, guide_trace
+
+    def _warn_nothing_to_perturb(self, guide: Callable, parameters: bool, observed: bool) -> None:
+        if not observed:
+            warn_nothing_to_perturb(self, "no observation", (
+                "KLBallELBO: the model observes nothing in this step (no observed sample site: were the "
+                "observations, e.g. `y`, passed?), so there is no data term to perturb: the objective is "
+                "Trace_ELBO's"))
+        else:
+            warn_nothing_to_perturb(self, "no parameter", (
+                f"KLBallELBO: the guide {getattr(guide, '__name__', type(guide).__name__)} has no parameter that "
+                "requires a gradient, so its KL "
+                "ball is a single point: the objective is Trace_ELBO's"))
 
     def _first_pass(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple:
         """``Trace_ELBO``'s traces (with Pyro's own validation first), recorded for the replay, then this ELBO's
@@ -251,7 +316,7 @@ class KLBallELBO(TensorTrace_ELBO):
         with run.replay(), substituted_tensors(moved):
             guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
             perturbed = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
-            perturbed.compute_log_prob(site_filter=lambda _, site: site["is_observed"])
+            perturbed.compute_log_prob(site_filter=lambda _, site: is_likelihood_site(site))
         return perturbed
 
     def _check_traces(self, model_trace: poutine.Trace, guide_trace: poutine.Trace) -> None:
@@ -283,19 +348,13 @@ class KLBallELBO(TensorTrace_ELBO):
             # graph for the loss); any other guide runs again with its sites' parents at the sampled values
             factorised = _closed_form_blocks(self._guide) is not None
             at_sample = guide_trace if factorised else self._guide_at_sample(guide_trace, run, guide, args, kwargs)
-            log_q = sum(
-                site["fn"].log_prob(site["value"].detach()).sum()
-                for _, site in _latent_guide_sites(at_sample) if _point_mass(site["fn"]) is None
-            )
+            log_q = sum(self._log_density_at_sample(name, site, factorised) for name, site in
+                        _latent_guide_sites(at_sample))
             scores = dict(zip(names, _grads(log_q, [leaves[n] for n in names], retain_graph=factorised), strict=True))
             roles = self._roles(blocks, leaves)
             steps = normalized_score_step([[scores[n] for n in role] for role in roles], self.radius)
             return {n: s for role, step in zip(roles, steps, strict=True) for n, s in zip(role, step, strict=True)}
-        data_term = -sum(
-            site["log_prob_sum"]
-            for site in model_trace.nodes.values()
-            if site["type"] == "sample" and site["is_observed"]
-        )
+        data_term = -sum(site["log_prob_sum"] for site in model_trace.nodes.values() if is_likelihood_site(site))
         grads = _grads(data_term, [leaves[n] for n in names], retain_graph=True)
         if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
             check_distributed("KLBallELBO")
@@ -318,6 +377,24 @@ class KLBallELBO(TensorTrace_ELBO):
         ordered = [n for n in names if n in directions]
         steps = kl_ball_step([grad[n] for n in ordered], [directions[n] for n in ordered], self.radius)
         return dict(zip(ordered, steps, strict=True))
+
+    def _log_density_at_sample(self, name: str, site: dict, factorised: bool) -> Tensor | float:
+        r""":math:`\log q_\phi` of a guide site at its (fixed) sampled value, for the score."""
+        fn = site["fn"]
+        point = _point_mass(fn)
+        if point is not None:
+            if not factorised and point.v.requires_grad:
+                raise _moving_point_mass(name, point, self._guide)
+            return 0.0  # a deterministic function of its (fixed) parents
+        try:
+            return fn.log_prob(site["value"].detach()).sum()
+        except (KeyError, NotImplementedError):  # e.g. BlockAutoregressive: no inverse outside its cache
+            transforms = ", ".join(_flow_transforms(fn)) or type(fn).__name__
+            raise ValueError(
+                f"KLBallELBO: direction='normalized_score' needs the log-density of guide site {name!r} of "
+                f"{_guide_name(self._guide)} at its sampled value, i.e. the inverse of its transform ({transforms}), "
+                "which it does not provide. Use an invertible flow (e.g. AutoIAFNormal) or a Gaussian guide"
+            ) from None
 
     def _closed_form_directions(
         self, blocks: list[_GaussianBlock], leaves: dict[str, Tensor], grad: dict[str, Tensor]
@@ -384,11 +461,18 @@ class KLBallELBO(TensorTrace_ELBO):
             point = _point_mass(fn)
             if point is not None:
                 if point.v.requires_grad:
-                    raise ValueError(
-                        f"KLBallELBO: guide site {name!r} is a point mass (Delta) that moves with the guide's "
-                        "parameters; a point mass has no KL ball"
-                    )
+                    raise _moving_point_mass(name, point, self._guide)
                 continue  # a deterministic function of its (fixed) parents: no KL
+            flow = _flow_transforms(fn)
+            if flow:  # torch's KL of two TransformedDistributions sharing the transforms is their bases' KL: 0 here
+                raise ValueError(
+                    f"KLBallELBO: guide site {name!r} of {_guide_name(self._guide)} is a normalising flow (a "
+                    f"TransformedDistribution whose transforms {flow} carry the guide's parameters). The Fisher "
+                    "direction needs the KL divergence between two such flows, which has no closed form (torch's "
+                    "kl_divergence compares only their base distributions: a zero Fisher, no perturbation). Use "
+                    "direction='normalized_score' (it needs the flow's inverse) or a Gaussian guide (AutoNormal, "
+                    "AutoMultivariateNormal, AutoLowRankMultivariateNormal)"
+                )
             try:
                 kl = kl + kl_divergence(fn, reference.nodes[name]["fn"]).sum()
             except NotImplementedError:

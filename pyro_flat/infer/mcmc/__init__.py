@@ -4,14 +4,16 @@ r"""Stochastic-gradient MCMC kernels for :class:`pyro.infer.MCMC`, minibatch-awa
   ``pyro.plate("data", N, subsample_size=B)`` (see :mod:`~pyro_flat.infer.mcmc.base`).
 * :class:`EntropyMCMC`: SGLD on :func:`~pyro_flat.transforms.local_entropy` (Li & Zhang, ICLR 2024).
 * :class:`EntropySGD`, :class:`EntropySGLD`: the nested-chain local-entropy methods, for comparison.
-* Step-size schedules (:class:`ConstantStepSize`, :class:`PolynomialDecay`, :class:`CyclicalStepSize` for cSGLD) and
-  streaming of draws (:class:`DrawHook`, :class:`DiskWriter`, :func:`load_draws`).
+* Step-size schedules (:class:`ConstantStepSize`, :class:`PolynomialDecay`, :class:`CyclicalStepSize` for cSGLD),
+  streaming of draws (:class:`DrawHook`, :class:`DiskWriter`, :func:`load_draws`) and the split
+  :math:`\hat R` check of two or more chains (:func:`check_mixing`).
 
 The update rules live in :mod:`pyro_flat.ops.diffusions`, with the convention
 :math:`\theta' = \theta - \varepsilon\nabla U + \sqrt{2\varepsilon T}\,\xi` on the full-data potential :math:`U`.
 """
 
 from .base import ModelPotential, SamplerState, StochasticGradientKernel, initialize_sg_model
+from .diagnostics import NotMixedWarning, check_mixing
 from .entropy_mcmc import CoupledPotential, EntropyMCMC
 from .entropy_sgd import EntropySGD
 from .entropy_sgld import EntropySGLD
@@ -38,4 +40,6 @@ __all__ = [
     "DrawHook",
     "DiskWriter",
     "load_draws",
+    "NotMixedWarning",
+    "check_mixing",
 ]

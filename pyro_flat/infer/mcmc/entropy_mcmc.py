@@ -1,4 +1,16 @@
-r"""Entropy-MCMC: SGLD on the local-entropy transform of a model, updating the weights and their anchors jointly."""
+r"""Entropy-MCMC: SGLD on the local-entropy transform of a model, updating the weights and their anchors jointly.
+
+**Warm-up.** Coupled with stiffness :math:`1/\eta`, a site and its anchor drift together under the force on the
+site alone: along directions much wider than :math:`\sqrt{\eta}` the pair moves like SGLD at *half* the step size
+(its centre takes :math:`z' = z - \tfrac{\varepsilon}{2}\nabla\tilde U + \sqrt{\varepsilon T}\,\xi`), so from a
+start far in the tail (e.g. the prior median of a weakly identified scale) the paper's joint step needs twice
+SGLD's warm-up. By default each warm-up step is therefore followed by an exact draw of the anchors from their
+conditional given the sites, :math:`u\mid z\sim\mathcal N(z, \eta T I)` (with an anchor prior of scale
+:math:`s`: :math:`\mathcal N(zs^2/(s^2+\eta),\ T\eta s^2/(s^2+\eta)\,I)`), a Gibbs step that leaves the joint
+invariant: the coupling's pull then averages to zero and the sites relax at SGLD's speed, the anchors following.
+The warm-up is ``MCMC``'s; a driver that takes every transition as a warm-up call (the comparison harness) sets the
+kernel's ``anchor_warmup_steps`` to its own.
+"""
 
 from __future__ import annotations
 
@@ -74,9 +86,13 @@ class EntropyMCMC(SGLD):
         u' &= u - \varepsilon\,(u-z)/\eta + \sqrt{2\varepsilon T}\,\xi_2 .
 
     The sites' marginal is the tempered posterior, the anchors' that posterior smoothed by
-    :math:`\mathcal N(0, \eta T I)`. Same chain as ``SGLD(local_entropy(model, eta))`` at the same seed, faster (the
-    coupling is added analytically, :class:`CoupledPotential`). The SG-MCMC page of the documentation has the maths
-    and the mapping of the paper's hyperparameters (``step_size`` :math:`=\alpha/N`).
+    :math:`\mathcal N(0, \eta T I)`. After warm-up (and throughout with ``warmup_anchors="joint"``) it is the same
+    chain as ``SGLD(local_entropy(model, eta))`` at the same seed, faster (the coupling is added analytically,
+    :class:`CoupledPotential`). The SG-MCMC page of the documentation has the maths and the mapping of the paper's
+    hyperparameters (``step_size`` :math:`=\alpha/N`).
+
+    **Warm-up** (module docstring): by default the anchors are drawn from their conditional given the sites after
+    each warm-up step, so that the sites relax from their start at SGLD's speed, not half of it.
 
     :param model: a Pyro model with continuous latents and a subsampled data plate; exactly one of ``model`` and
         ``potential_fn``.
@@ -88,6 +104,8 @@ class EntropyMCMC(SGLD):
         of the original model.
     :param anchor_prior_scale: ``None`` (flat anchor prior, default) or the scale of a Gaussian prior on the anchors.
     :type anchor_prior_scale: float or None
+    :param str warmup_anchors: ``"conditional"`` (default: anchors drawn from their conditional during warm-up,
+        see the module docstring) or ``"joint"`` (the paper's joint step during warm-up too).
     :param kwargs: the options of every kernel (:class:`~pyro_flat.infer.mcmc.StochasticGradientKernel`):
         ``step_size`` (:math:`\varepsilon`, required), ``temperature`` (:math:`T`), ``init_strategy`` (anchors copy
         their site), ``thinning``, ``divergence_check_every``, ``jit_compile`` (captures the model's potential with
@@ -117,12 +135,17 @@ class EntropyMCMC(SGLD):
         eta: float,
         collect: Literal["theta", "anchor", "both"] = "theta",
         anchor_prior_scale: float | None = None,
+        warmup_anchors: Literal["conditional", "joint"] = "conditional",
         **kwargs: Any,
     ) -> None:
         self.eta = _check_eta(eta, "EntropyMCMC")
         if collect not in ("theta", "anchor", "both"):
             raise ValueError(f"EntropyMCMC: expected collect in 'theta', 'anchor', 'both', got {collect!r}")
+        if warmup_anchors not in ("conditional", "joint"):
+            raise ValueError(f"EntropyMCMC: expected warmup_anchors in 'conditional', 'joint', got {warmup_anchors!r}")
         self.collect = collect
+        self.warmup_anchors = warmup_anchors
+        self.anchor_warmup_steps: int | None = None
         self.base_model = model
         flat_model = None if model is None else local_entropy(model, self.eta, anchor_prior_scale=anchor_prior_scale)
         self.anchor_prior_scale = _check_optional_scale(anchor_prior_scale, "EntropyMCMC")
@@ -148,6 +171,26 @@ class EntropyMCMC(SGLD):
 
     def _setup_chain(self, params: Params) -> None:
         self._sites = [k for k in params if not k.endswith(ANCHOR_SUFFIX)]
+
+    def _transition(self, params: Params) -> Params:
+        t = self._state.step
+        params = super()._transition(params)
+        warmup = self._warmup_steps if self.anchor_warmup_steps is None else self.anchor_warmup_steps
+        if self.warmup_anchors == "conditional" and self._state.num_calls <= warmup:
+            temperature = self.temperature if self.schedule.injects_noise(t) else 0.0
+            params = self._conditional_anchors(params, temperature)
+        return params
+
+    def _conditional_anchors(self, params: Params, temperature: float) -> Params:
+        """The anchors drawn from their exact conditional given the sites (see the class docstring)."""
+        params = dict(params)
+        eta, scale = self.eta, self.anchor_prior_scale
+        shrink = 1.0 if scale is None else scale**2 / (scale**2 + eta)
+        std = math.sqrt(temperature * eta * shrink)
+        for name in self._sites:
+            mean = shrink * params[name]
+            params[anchor_name(name)] = mean + std * torch.randn_like(mean) if std > 0 else mean
+        return params
 
     def _gradient(self, params: Mapping[str, Tensor]) -> tuple[Params, Tensor]:
         """``(grad U_eta, U_eta)``: autograd through the model's potential only; the coupling and the anchor prior

@@ -13,7 +13,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal, init_to_value
 from torch import nn
 
-from pyro_flat.infer import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
+from pyro_flat.infer import NothingToPerturbWarning, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from pyro_flat.nn import BayesianMLP, init_to_network
 from pyro_flat.transforms import sharpness_aware
 
@@ -303,15 +303,39 @@ def test_bad_flags(option):
         SharpnessAwareELBO(0.1, **{option: 1})
 
 
-def test_model_without_latent_site():
+def test_model_without_latent_site_is_trace_elbo_and_warns_once():
+    # nothing to perturb: the objective is Trace_ELBO's (the SA posterior of no latent is the likelihood), and it says
+    # so once (issue 20 item 5: it was silent)
     def model(x):
         pyro.sample("x", dist.Normal(0.0, 1.0).expand([4]).to_event(1), obs=x)
 
     def guide(x):
         pass
 
-    # nothing to perturb: the objective is Trace_ELBO's (the SA posterior of no latent is the likelihood)
-    assert SharpnessAwareELBO(0.1).loss(model, guide, X) == pytest.approx(Trace_ELBO().loss(model, guide, X))
+    elbo = SharpnessAwareELBO(0.1)
+    with pytest.warns(NothingToPerturbWarning, match="no latent site") as caught:
+        losses = [elbo.loss(model, guide, X) for _ in range(2)]
+    assert len(caught) == 1
+    assert losses == pytest.approx([Trace_ELBO().loss(model, guide, X)] * 2)
+
+
+def test_a_step_without_the_observations_warns_once():
+    # issue 20 item 5: svi.step(x) without y scores no likelihood at all: Trace_ELBO's objective, not silently
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(w * x, 1.0), obs=y)
+
+    def guide(x, y=None):
+        pyro.sample("w", dist.Normal(pyro.param("m", torch.tensor(0.0)), 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(0.0, pyro.param("s", torch.tensor(1.0), constraint=dist.constraints.positive)))
+
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), SharpnessAwareELBO(0.1))
+    with pytest.warns(NothingToPerturbWarning, match="observes nothing .* e.g. `y`") as caught:
+        for _ in range(3):
+            svi.step(X)
+    assert len(caught) == 1
 
 
 def test_non_reparameterised_guide():
