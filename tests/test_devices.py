@@ -658,7 +658,7 @@ def test_objective_on_cuda_without_sync(name, network, cuda_sync_errors):
     with torch.cuda.device(0):
         torch.cuda.set_sync_debug_mode(0)
         step = _svi_step(make(), guide_class, transform, network=network, svi_class=TensorSVI, device="cuda")
-        for _ in range(3):  # set-up, capture of the compiled ones
+        for _ in range(4):  # set-up; the compiled ones: capture, then compilation (which may synchronise)
             step()
         torch.cuda.set_sync_debug_mode("error")
         losses = [step() for _ in range(2)]
