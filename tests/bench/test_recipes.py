@@ -105,7 +105,7 @@ def test_a_recipes_inputs_are_checked_before_its_first_stage(cifar, imagenet_wei
     torch.save({"conv.weight": torch.zeros(1)}, not_weights)
     cases = [
         ([], "--pretrained FILE"),
-        (["--pretrained", str(tmp_path / "missing.pth")], "missing.pth does not exist"),
+        (["--pretrained", str(tmp_path / "missing.pth")], "missing.pth: no such file"),
         (["--pretrained", str(not_weights)], "other.pth is not torchvision's resnet18 state dict"),
         (["--pretrained", str(imagenet_weights), "--set", "sa_bma_score.radius=-1"],
          "sa_bma_score.radius must be a number >= 0, got -1"),
