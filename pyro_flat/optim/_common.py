@@ -92,8 +92,10 @@ def replayed_gradients_at(
 ) -> list[Tensor]:
     """The gradients of ``closure`` at the current (moved) ``params``, replaying the recorded evaluation ``run``: the
     same random numbers (dropout masks, a minibatch drawn with torch's generator), the same subsample indices of any
-    ``pyro.plate`` the closure runs, BatchNorm running statistics left unchanged (:mod:`pyro_flat.infer.replay`)."""
-    with run.replay():
+    ``pyro.plate`` the closure runs, BatchNorm running statistics left unchanged (:mod:`pyro_flat.infer.replay`). On
+    a ``subset`` of the minibatch only the random stream restarts where the run's did (its plates have another
+    size)."""
+    with run.replay(sites=subset is None):
         return gradients_at(closure, params, per_example=per_example, subset=subset)[1]
 
 
