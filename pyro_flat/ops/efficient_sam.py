@@ -200,6 +200,16 @@ class SharpnessSchedule:
         self.steps += 1
         return kind
 
+    def peek_step(self) -> str:
+        """The kind of the next step, leaving the schedule where it is (for a caller that may not take the step)."""
+        state = None if self._random is None else self._random.getstate()
+        steps = self.steps
+        kind = self.next_step()
+        self.steps = steps
+        if state is not None:
+            self._random.setstate(state)
+        return kind
+
     def state_dict(self) -> dict[str, Any]:
         """The number of steps taken, the state of RST's random generator and LookSAM's directions (copies)."""
         return {"steps": self.steps, "random": None if self._random is None else self._random.getstate(),

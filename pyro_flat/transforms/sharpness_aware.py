@@ -341,9 +341,14 @@ class SharpnessAwareModel(nn.Module):
         finally:
             self._fixed_kind = previous
 
+    def _scheduled(self, grad_enabled: bool) -> bool:
+        """Whether this call's kind comes from (and advances) the schedule."""
+        return grad_enabled and self._fixed_kind is None and self.schedule.active
+
     def _next_kind(self, grad_enabled: bool) -> str:
         """The kind of this call's step: the ascent without gradients (an evaluation), the kind fixed by
-        :meth:`step_kind`, else the schedule's next."""
+        :meth:`step_kind`, else the schedule's next (not taken yet: a call with nothing to perturb, e.g. an autoguide's
+        prototype run, leaves the schedule alone)."""
         if not grad_enabled:
             return SAM_STEP
         if self._fixed_kind is not None:
@@ -353,7 +358,7 @@ class SharpnessAwareModel(nn.Module):
         if is_capturing():
             raise CaptureError("sharpness_aware with LookSAM or RST decides at every call which passes to run, so one "
                                "capture cannot stand for its steps")
-        return self.schedule.next_step()
+        return self.schedule.peek_step()
 
     def _log_likelihood(self, sites: Mapping[str, dict], frames: Sequence[CondIndepStackFrame]) -> Tensor:
         r""":math:`\ell_B`: the scaled and masked log-likelihood of ``sites``, summed to the vectorised ``frames``
@@ -562,6 +567,8 @@ class SharpnessAwareModel(nn.Module):
                     "model's own"))
             return result
         self._check_sites(record)
+        if record.latents and self._scheduled(grad_enabled):
+            self.schedule.next_step()  # the step is taken
         if not record.latents:  # the SA posterior of no latent is the model's own
             if grad_enabled:
                 self._warn_no_latent(record)
