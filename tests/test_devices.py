@@ -337,6 +337,51 @@ def test_optimizer_step_makes_no_host_sync(name, network):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# the cheaper sharpness-aware steps (LookSAM, RST, ESAM): their choices are made without reading a tensor
+
+CHEAPER_OBJECTIVES = {
+    # name: (objective, guide class, model transform, warm-up steps: the compiled one captures each kind of step)
+    "SharpnessAwareELBO-looksam": (lambda: SharpnessAwareELBO(0.05, looksam_k=2), AutoNormal, None, 1),
+    "SharpnessAwareELBO-rst": (lambda: SharpnessAwareELBO(0.05, rst_p=0.5), AutoDelta, None, 1),
+    "sharpness_aware-looksam": (TensorTrace_ELBO, AutoNormal, lambda m: sharpness_aware(m, 0.05, looksam_k=2), 1),
+    "JitSharpnessAwareELBO-looksam": (
+        lambda: JitSharpnessAwareELBO(0.05, looksam_k=2, **UNCOMPILED), AutoNormal, None, 5),
+}
+
+
+@pytest.mark.parametrize("name", list(CHEAPER_OBJECTIVES))
+def test_cheaper_objective_steps_make_no_host_read(name):
+    pyro.enable_validation(False)
+    make, guide_class, transform, warmup = CHEAPER_OBJECTIVES[name]
+    step = _svi_step(make(), guide_class, transform, svi_class=TensorSVI)
+    for _ in range(warmup):
+        step()
+    rates, report = _per_step(step, (4,))  # both kinds of step among them
+    assert rates == [0.0], f"{name}:\n{report}"
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 2}, {"rst_p": 0.5}, {"esam_gamma": 0.5}])
+@pytest.mark.parametrize("make", [lambda p, **o: SAM(p, torch.optim.SGD, rho=0.05, lr=1e-2, **o),
+                                  lambda p, **o: BayesianSAM(p, num_data=64, **o)], ids=["SAM", "BayesianSAM"])
+def test_cheaper_optimizer_steps_make_no_host_sync(make, options):
+    if "esam_gamma" not in options:
+        rates, report = _per_step(_optimizer_step(partial(make, **options)), (4,))
+        assert rates == [0.0], report
+        return
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 6, generator=generator), torch.randn(32, generator=generator)
+    params = [torch.zeros(6, requires_grad=True), torch.zeros((), requires_grad=True)]
+    optimizer = make(params, **options)
+
+    def closure(subset: torch.Tensor | None) -> torch.Tensor:  # ESAM's: per-example losses, no backward
+        rows = slice(None) if subset is None else subset
+        return (a[rows] @ params[0] + params[1] - b[rows]) ** 2
+
+    rates, report = _per_step(lambda: optimizer.step(closure), (4,))
+    assert rates == [0.0], report
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # collectors and streaming accumulators (called once per draw or per epoch)
 
 

@@ -13,7 +13,10 @@ Each method is its baseline (:mod:`pyro_flat.bench.baselines`) with ``Trace_ELBO
   baseline ``ensemble`` (same number of members, unlike the authors' README: 5 SGD vs 3 SAM members).
 
 Hyperparameters, per method with ``--set <method>.<key>=<value>``: ``rho`` (SAM radius, default 0.05: the F-BNN
-code's value for CIFAR-10 and ImageNet fine-tuning) and ``adaptive`` (ASAM, default ``False``).
+code's value for CIFAR-10 and ImageNet fine-tuning), ``adaptive`` (ASAM, default ``False``), and the cheaper steps of
+:mod:`pyro_flat.ops.efficient_sam`: ``looksam_k`` and ``looksam_alpha`` (LookSAM's period and :math:`\alpha`,
+defaults 1 and 0.7) or ``rst_p`` (RST's probability of a sharpness-aware step, default 1); the defaults take the
+ascent at every step.
 Everything else (epochs, Adam learning rate, batch size, prior, BMA samples) is the run's shared configuration, so
 each flat method differs from its baseline only by the objective. F-SWAG (SWAG collected from the SAM iterates)
 needs the SWAG guide of the averaging issue and is wired where both are available.
@@ -36,24 +39,34 @@ DEFAULT_RHO = 0.05
 REFERENCE = "Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023), arXiv:2302.02713"
 
 
+OPTIONS = ("rho", "adaptive", "looksam_k", "looksam_alpha", "rst_p")
+"""The options of the flat-seeking methods."""
+
+
+def cheaper_step_options(problem: Problem, method: str) -> dict[str, object]:
+    """The method's LookSAM and RST options (``looksam_k``, ``looksam_alpha``, ``rst_p``), those it was given."""
+    return {key: problem.option(method, key, None) for key in ("looksam_k", "looksam_alpha", "rst_p")
+            if problem.option(method, key, None) is not None}
+
+
 def sharpness_aware_loss(problem: Problem, method: str) -> SharpnessAwareELBO:
-    """The SA-ELBO with the method's ``rho`` and ``adaptive`` options (defaults 0.05 and ``False``), compiled with
-    ``config.compile``; data-parallel runs all-reduce its ascent direction."""
+    """The SA-ELBO with the method's ``rho`` and ``adaptive`` options (defaults 0.05 and ``False``) and its LookSAM
+    or RST options, compiled with ``config.compile``; data-parallel runs all-reduce its ascent direction."""
     elbo = JitSharpnessAwareELBO if problem.config.compile else SharpnessAwareELBO
     return elbo(
         problem.option(method, "rho", DEFAULT_RHO), adaptive=problem.option(method, "adaptive", False),
-        distributed=problem.distributed,
+        distributed=problem.distributed, **cheaper_step_options(problem, method),
     )
 
 
 @register_method("f_vi", description="F-VI (F-BBB): AutoNormal + SharpnessAwareELBO", baseline="vi",
-                 reference=REFERENCE, options=("rho", "adaptive"))
+                 reference=REFERENCE, options=OPTIONS)
 def fit_f_vi(problem: Problem) -> Posterior:
     return fit_mean_field(problem, problem.build_model(), sharpness_aware_loss(problem, "f_vi"))
 
 
 @register_method("sam", description="SAM (flat MAP): AutoDelta + SharpnessAwareELBO", baseline="map",
-                 reference=REFERENCE, options=("rho", "adaptive"))
+                 reference=REFERENCE, options=OPTIONS)
 def fit_sam(problem: Problem) -> Posterior:
     model = problem.build_model()
     fit = fit_map_point(problem, model, sharpness_aware_loss(problem, "sam"))
@@ -61,7 +74,7 @@ def fit_sam(problem: Problem) -> Posterior:
 
 
 @register_method("f_mc_dropout", description="F-MC-Dropout: dropout MAP trained with SAM (same mask in both passes)",
-                 baseline="mc_dropout", reference=REFERENCE, options=("rho", "adaptive"))
+                 baseline="mc_dropout", reference=REFERENCE, options=OPTIONS)
 def fit_f_mc_dropout(problem: Problem) -> Posterior:
     model = problem.build_model(dropout=problem.config.dropout)
     fit = fit_map_point(problem, model, sharpness_aware_loss(problem, "f_mc_dropout"))
@@ -75,7 +88,7 @@ def fit_f_mc_dropout(problem: Problem) -> Posterior:
 
 
 @register_method("f_ensemble", description="F-Deep-Ensemble: MAP members each trained with SAM",
-                 baseline="ensemble", reference=REFERENCE, options=("rho", "adaptive"))
+                 baseline="ensemble", reference=REFERENCE, options=OPTIONS)
 def fit_f_ensemble(problem: Problem) -> Posterior:
     model, points = fit_ensemble_points(problem, lambda: sharpness_aware_loss(problem, "f_ensemble"))
     return Posterior.from_points(model, points)

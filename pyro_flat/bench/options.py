@@ -65,6 +65,10 @@ OPTION_VALUES: dict[str, tuple[str, Callable[[Any, RunConfig], bool]]] = {
     "beta2": ("a number in [0, 1]", _in(0, 1)),
     "init_scale": POSITIVE,
     "lr_low_ratio": ("a number in (0, 1]", _in(0, 1, low_open=True)),
+    "looksam_k": ("an int >= 1", lambda v, c: _int(v) and v >= 1),
+    "looksam_alpha": NON_NEGATIVE,
+    "esam_gamma": ("a number in (0, 1]", _in(0, 1, low_open=True)),
+    "rst_p": ("a number in [0, 1]", _in(0, 1)),
 }
 """Every per-method option: ``(expected, check)``."""
 

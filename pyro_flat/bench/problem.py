@@ -282,6 +282,8 @@ def run_svi(
     spec = problem.optim_spec(num_steps) if optim is None else optim
     num_steps = problem.num_steps if num_steps is None else num_steps
     extra = dict(state or {})
+    if getattr(getattr(loss, "schedule", None), "active", False):  # LookSAM/RST: its schedule is part of the state
+        extra["loss"] = loss
     model.train()
     if not problem.distributed:
         optimizer = spec.pyro()

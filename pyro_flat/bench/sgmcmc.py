@@ -27,7 +27,8 @@ SGD learning rate.
   methods' default), i.e. Langevin dynamics on :math:`U_{\mathrm{SA}}(\theta)=-\log p(\theta)
   -\ell_B(\theta+\rho\hat g/\|\hat g\|)`. Unlike the authors' code (SAM fine-tuning from a
   checkpoint with negligible noise) the noise is the full Langevin noise at ``temperature``, so it compares with
-  ``sgld`` like with like. Each step costs two forward/backward passes.
+  ``sgld`` like with like. Each step costs two forward/backward passes; with ``looksam_k`` / ``looksam_alpha``
+  (LookSAM) or ``rst_p`` (RST) only some do (:mod:`pyro_flat.ops.efficient_sam`).
 
 The defaults were chosen on the MLP 256-256 of the ``full`` preset with seed 0 (so with a mild selection bias on the
 test sets): ``lr`` in {0.1, 0.3} and ``temperature`` in {0.01, 0.1, 1} for ``sgld`` (0.3 and 0.1 gave the best NLL on
@@ -53,6 +54,7 @@ from torch import Tensor, nn
 from ..infer.mcmc import SGLD, CyclicalStepSize, EntropyMCMC, StochasticGradientKernel
 from ..nn import init_to_network
 from ..transforms import local_entropy_draws, sharpness_aware
+from .flat_seeking import cheaper_step_options
 from .loop import DrawStore, Holder
 from .problem import Posterior, Problem
 from .registry import register_method
@@ -63,7 +65,8 @@ REFERENCE_EMCMC = "Li & Zhang, Entropy-MCMC: Sampling from Flat Basins with Ease
 
 
 def run_sgmcmc(
-    problem: Problem, kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int, *, model: nn.Module
+    problem: Problem, kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int, *, model: nn.Module,
+    state: dict[str, object] | None = None,
 ) -> dict[str, Tensor]:
     """Run ``kernel`` as ``pyro.infer.MCMC(kernel, num_samples, warmup_steps)`` does — ``setup``, then ``sample``
     with the chain's parameters — as one checkpointed phase of single transitions, each on the next minibatch.
@@ -78,6 +81,8 @@ def run_sgmcmc(
     :param int num_samples: the draws to keep.
     :param int warmup_steps: the warm-up transitions.
     :param model: the network (checkpointed with the chain: its BatchNorm statistics, learned weights).
+    :param state: further objects the transitions change (e.g. the schedule of a sharpness-aware model's LookSAM or
+        RST), checkpointed with the chain.
     :returns: the samples ``{site: [num_samples, ...]}`` in constrained space.
     """
     if problem.distributed:
@@ -98,7 +103,8 @@ def run_sgmcmc(
     ctx = problem.context
     draws = DrawStore(None if ctx.directory is None else ctx.directory / "draws", writer=ctx.is_writer,
                       device=problem.data.device)
-    loop = problem.loop(num_steps, {"model": model, "kernel": kernel, "chain": chain, "draws": draws}, name="kernel")
+    objects = {"model": model, "kernel": kernel, "chain": chain, "draws": draws, **(state or {})}
+    loop = problem.loop(num_steps, objects, name="kernel")
     is_draw = set(draw_steps)
     for step, (args, kwargs) in loop:
         kernel.set_model_args(*args, **kwargs)
@@ -139,16 +145,18 @@ def _constant_plan(problem: Problem, method: str, draws: int) -> tuple[int, int]
 
 
 def _constant_sgld(problem: Problem, method: str, rho: float | None) -> Posterior:
-    """SGLD with ``sgld``'s constant-step plan on the run's model, or on its sharpness-aware transform if ``rho``."""
+    """SGLD with ``sgld``'s constant-step plan on the run's model, or on its sharpness-aware transform if ``rho``
+    (with the method's LookSAM or RST options)."""
     model = problem.build_model()
-    target = model if rho is None else sharpness_aware(model, rho)
+    target = model if rho is None else sharpness_aware(model, rho, **cheaper_step_options(problem, method))
+    state = {"schedule": target.schedule} if rho is not None and target.schedule.active else {}
     lr = float(problem.option(method, "lr", 0.3))
     draws = problem.config.num_bma_samples
     warmup, thinning = _constant_plan(problem, method, draws)
     temperature = float(problem.option(method, "temperature", 0.1))
     kernel = SGLD(target, step_size=lr / problem.data.num_data, temperature=temperature,
                   init_strategy=init_to_network(model), thinning=thinning, jit_compile=problem.config.compile)
-    samples = run_sgmcmc(problem, kernel, draws, warmup, model=model)
+    samples = run_sgmcmc(problem, kernel, draws, warmup, model=model, state=state)
     info = {"warmup_steps": warmup, "thinning": thinning} | ({} if rho is None else {"rho": rho})
     return Posterior.from_samples(model, samples, draws, info=info)
 
@@ -168,7 +176,7 @@ def fit_sgld(problem: Problem) -> Posterior:
     description="F-SGLD: SGLD on sharpness_aware(model, rho) (rho 0.05), same schedule as sgld",
     baseline="sgld",
     reference="Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023), arXiv:2302.02713",
-    options=("rho", "lr", "temperature", "burn_in"),
+    options=("rho", "lr", "temperature", "burn_in", "looksam_k", "looksam_alpha", "rst_p"),
 )
 def fit_f_sgld(problem: Problem) -> Posterior:
     return _constant_sgld(problem, "f_sgld", float(problem.option("f_sgld", "rho", 0.05)))

@@ -31,7 +31,10 @@ Options (``--set method.key=value``): ``swa_start`` (epochs; all trajectory meth
 0.99), ``damping`` (0.1), ``init_scale`` (1.0), ``prior_precision`` (bsam: :math:`1/s_0^2`), ``dafactor`` (bsam: 1;
 the authors' :math:`N_{\mathrm{eff}} = 4N` under data augmentation is 4), ``lr_low_ratio`` (HWA: 0.01),
 ``save_swag`` (SWAG methods: a file to save the collected moments to, e.g. a source posterior for
-``sa_bma.backbone_swag``).
+``sa_bma.backbone_swag``); the cheaper steps of :mod:`pyro_flat.ops.efficient_sam` (``sam_torch``, ``f_*``, ``bsam``):
+``looksam_k``, ``looksam_alpha`` (LookSAM), ``rst_p`` (RST) and ``esam_gamma`` (ESAM's data selection: the closure
+then returns the per-example losses :math:`-\log p(y_i\mid x_i,\theta)` (``sam_torch``, ``f_*``: plus
+:math:`-\log p(\theta)/N`), one process only); the defaults take the ascent at every step on the whole minibatch.
 
 References:
     * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
@@ -51,6 +54,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from pyro import poutine
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 from torch import Tensor
 
@@ -64,6 +68,8 @@ from .loop import atomic_save
 from .problem import LossModule, OptimSpec, Posterior, Problem, run_svi
 from .registry import register_method
 
+CHEAPER_STEPS = ("looksam_k", "looksam_alpha", "rst_p", "esam_gamma")
+"""The options of the cheaper sharpness-aware steps (:mod:`pyro_flat.ops.efficient_sam`)."""
 _FBNN = "Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023), arXiv:2302.02713"
 _SWAG = "Maddox et al., A Simple Baseline for Bayesian Uncertainty in Deep Learning (NeurIPS 2019), arXiv:1902.02476"
 _BSAM = "Möllenhoff & Khan, SAM as an Optimal Relaxation of Bayes (ICLR 2023), arXiv:2210.01620"
@@ -91,7 +97,7 @@ def _delta_guide(problem: Problem, model: BayesianClassifier) -> AutoDelta:
 def _run_closure_optimizer(
     problem: Problem,
     optimizer: torch.optim.Optimizer,
-    make_loss: Callable[[Tensor, Tensor, int], Callable[[], Tensor]],
+    make_loss: Callable[[Tensor, Tensor, int], Callable[..., Tensor]],
     num_splits: int,
     *,
     state: dict[str, object],
@@ -101,13 +107,16 @@ def _run_closure_optimizer(
 ) -> list[float]:
     """Run a closure-based optimizer over ``problem.num_steps`` minibatches (one checkpointed phase; ``state`` names
     what else it changes), each split into ``num_splits`` sub-batches (m-sharpness), ``make_loss(x, y, N)`` giving
-    the loss of a sub-batch; returns every ``log_every``-th loss."""
+    the loss of a sub-batch (ESAM's per-example closure when the optimizer's ``esam_gamma`` is below 1); returns every
+    ``log_every``-th loss."""
     b = problem.batch_size // problem.world_size
     if not (isinstance(num_splits, int) and 1 <= num_splits <= b):
         raise ValueError(f"m_sharpness must be an int in [1, batch size {b}], got {num_splits!r}")
 
-    def closure_for(x: Tensor, y: Tensor, num_data: int) -> Callable[[], Tensor]:
+    def closure_for(x: Tensor, y: Tensor, num_data: int) -> Callable[..., Tensor]:
         loss_fn = make_loss(x, y, num_data)
+        if getattr(optimizer, "esam_gamma", 1) < 1:  # ESAM's per-example closure: the optimizer differentiates
+            return loss_fn
 
         def closure() -> Tensor:
             loss = loss_fn()
@@ -137,6 +146,39 @@ def _map_loss(
     return lambda x, y, n: lambda: module(x, y, num_data=n) / n
 
 
+def _per_example_loss(
+    problem: Problem, model: BayesianClassifier, guide: AutoDelta, *, prior: bool
+) -> Callable[[Tensor, Tensor, int], Callable[[Tensor | None], Tensor]]:
+    r"""(x, y, N) -> ESAM's per-example closure ``closure(subset)``: :math:`-\log p(y_i\mid x_i,\theta)` of each
+    example of the minibatch (or of those at ``subset``), minus :math:`\log p(\theta)/N` with ``prior`` (their mean
+    is then :func:`_map_loss`'s)."""
+    if problem.distributed:
+        raise ValueError("esam_gamma (ESAM's data selection) runs in one process: its per-example closure is not "
+                         "data-parallel")
+
+    def make(x: Tensor, y: Tensor, num_data: int) -> Callable[[Tensor | None], Tensor]:
+        def closure(subset: Tensor | None) -> Tensor:
+            xs, ys = (x, y) if subset is None else (x[subset], y[subset])
+            values = guide()
+            trace = poutine.trace(poutine.condition(model, data=values)).get_trace(xs, ys, num_data=num_data)
+            obs = trace.nodes["obs"]
+            losses = -obs["fn"].log_prob(obs["value"])
+            if prior:
+                log_prior = sum(trace.nodes[name]["fn"].log_prob(value).sum() for name, value in values.items())
+                losses = losses - log_prior / num_data
+            return losses
+
+        return closure
+
+    return make
+
+
+def _cheaper_steps(problem: Problem, method: str) -> dict[str, object]:
+    """The method's LookSAM, RST and ESAM options (those it was given)."""
+    keys = ("looksam_k", "looksam_alpha", "rst_p", "esam_gamma")
+    return {key: problem.option(method, key, None) for key in keys if problem.option(method, key, None) is not None}
+
+
 def _trained_parameters(model: BayesianClassifier, guide: AutoDelta) -> list[Tensor]:
     """The guide's parameters and the network's learned (non-latent) ones."""
     return list(guide.parameters()) + list(model.parameters())
@@ -164,10 +206,14 @@ def _sam_trajectory(problem: Problem, method: str) -> tuple[BayesianClassifier, 
     guide = _delta_guide(problem, model)
     collector, callback = _collector_callback(problem, method, guide)
     spec = problem.optim_spec(mean_loss=True)
-    optimizer = SAM(_trained_parameters(model, guide), spec.cls, rho=problem.option(method, "rho", 0.05), **spec.args)
+    cheaper = _cheaper_steps(problem, method)
+    optimizer = SAM(_trained_parameters(model, guide), spec.cls, rho=problem.option(method, "rho", 0.05), **cheaper,
+                    **spec.args)
     scheduler = None if spec.lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, spec.lr_lambda)
-    history = _run_closure_optimizer(problem, optimizer, _map_loss(problem, model, guide),
-                                     problem.option(method, "m_sharpness", 1), callback=callback, scheduler=scheduler,
+    loss = (_per_example_loss(problem, model, guide, prior=True) if "esam_gamma" in cheaper
+            else _map_loss(problem, model, guide))
+    history = _run_closure_optimizer(problem, optimizer, loss, problem.option(method, "m_sharpness", 1),
+                                     callback=callback, scheduler=scheduler,
                                      state={"model": model, "guide": guide, "collector": collector})
     return model, guide, collector, history
 
@@ -201,7 +247,7 @@ def _swag_posterior(problem: Problem, method: str, model: BayesianClassifier, co
 
 @register_method("sam_torch", description="SAM(Adam) MAP: pyro_flat.optim.SAM on AutoDelta, rho 0.05",
                  baseline="map", reference="Foret et al., SAM (ICLR 2021), arXiv:2010.01412",
-                 options=("rho", "m_sharpness", "swa_start", "max_rank"))
+                 options=("rho", "m_sharpness", "swa_start", "max_rank", *CHEAPER_STEPS))
 def fit_sam_torch(problem: Problem) -> Posterior:
     model, guide, _, history = _sam_trajectory(problem, "sam_torch")
     return Posterior.from_points(model, [guide.median()], info={"losses": history})
@@ -209,7 +255,7 @@ def fit_sam_torch(problem: Problem) -> Posterior:
 
 def _register_swag(name: str, kind: str, source: str, baseline: str, description: str) -> None:
     options = ("swa_start", "max_rank", "save_swag") + (("scale",) if kind != "swa" else ()) + (
-        ("rho", "m_sharpness") if source == "sam" else ())
+        ("rho", "m_sharpness", *CHEAPER_STEPS) if source == "sam" else ())
 
     @register_method(name, description=description, baseline=baseline, reference=_FBNN if source == "sam" else _SWAG,
                      options=options)
@@ -236,7 +282,8 @@ _register_swag("f_swag_diag", "swag_diag", "sam", "swag_diag", "F-SWAG-Diagonal 
 
 @register_method("bsam", description="Bayesian SAM: pyro_flat.optim.BayesianSAM, BMA over N(m, 1/(N s))",
                  baseline="map", reference=_BSAM,
-                 options=("lr", "rho", "prior_precision", "damping", "beta2", "init_scale", "dafactor", "m_sharpness"))
+                 options=("lr", "rho", "prior_precision", "damping", "beta2", "init_scale", "dafactor", "m_sharpness",
+                          *CHEAPER_STEPS))
 def fit_bsam(problem: Problem) -> Posterior:
     model = problem.build_model()
     guide = _delta_guide(problem, model)
@@ -250,14 +297,22 @@ def fit_bsam(problem: Problem) -> Posterior:
         damping=problem.option("bsam", "damping", 0.1),
         beta2=problem.option("bsam", "beta2", 0.99),
         init_scale=problem.option("bsam", "init_scale", 1.0),
+        **_cheaper_steps(problem, "bsam"),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / problem.num_steps))
     )
-    nll = problem.data_parallel(LossModule(
-        lambda x, y, n: model_loss_fn(model, x, y, num_data=n)(guide()), guide, model
-    ))
-    history = _run_closure_optimizer(problem, optimizer, lambda x, y, n: lambda: nll(x, y, n),
+    if optimizer.esam_gamma < 1:
+        make_loss = _per_example_loss(problem, model, guide, prior=False)
+    else:
+        nll = problem.data_parallel(LossModule(
+            lambda x, y, n: model_loss_fn(model, x, y, num_data=n)(guide()), guide, model
+        ))
+
+        def make_loss(x: Tensor, y: Tensor, n: int) -> Callable[[], Tensor]:
+            return lambda: nll(x, y, n)
+
+    history = _run_closure_optimizer(problem, optimizer, make_loss,
                                      problem.option("bsam", "m_sharpness", 1), scheduler=scheduler,
                                      state={"model": model, "guide": guide})
 

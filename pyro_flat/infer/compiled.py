@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .replay import _cuda_devices, _get_random_state, _set_random_state
 
-__all__ = ["CaptureError", "CapturedFunction", "CompilationFallbackWarning", "CompiledCalls", "capture"]
+__all__ = ["CaptureError", "CapturedFunction", "CompilationFallbackWarning", "CompiledCalls", "capture", "is_capturing"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
@@ -73,6 +73,16 @@ class CompilationFallbackWarning(UserWarning):
 
 class CaptureError(Exception):
     """A step that cannot be captured as a pure tensor function (the message says why)."""
+
+
+_TRACING = [0]  # depth of traced runs under way (the second run of a capture)
+
+
+def is_capturing() -> bool:
+    """Whether the code runs as the traced run of a capture (:func:`capture`): a step whose Python-side decisions
+    change from call to call (e.g. a schedule of sharpness-aware steps) raises :class:`CaptureError` there, unless
+    the caller keys its captures on them."""
+    return _TRACING[0] > 0
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -556,6 +566,7 @@ def _trace(fn: Callable[[], Any], inputs: list[Tensor], record: _RecordDraws, ou
         out_spec.append(spec)
         return [t for t in flat]
 
+    _TRACING[0] += 1
     try:
         with pyro.validation_enabled(False), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -565,6 +576,7 @@ def _trace(fn: Callable[[], Any], inputs: list[Tensor], record: _RecordDraws, ou
     except Exception as error:  # noqa: BLE001 (any failure of the tracer means: run eagerly)
         raise CaptureError(f"tracing the step failed ({type(error).__name__}: {str(error).splitlines()[0]})") from error
     finally:
+        _TRACING[0] -= 1
         step.restore()
     if step.position != len(record.calls):
         raise CaptureError("the traced run draws fewer random numbers than the eager step")

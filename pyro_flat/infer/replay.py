@@ -135,29 +135,34 @@ class RunRecorder(Messenger):
 
     @contextlib.contextmanager
     def replay(
-        self, values: Mapping[str, Tensor] | None = None, *, block: bool = True, freeze_batchnorm: bool = True
+        self, values: Mapping[str, Tensor] | None = None, *, block: bool = True, freeze_batchnorm: bool = True,
+        sites: bool = True,
     ) -> Iterator[None]:
         """Run the enclosed code as the recorded run ran (see the module docstring).
 
         :param values: latent values to use instead of drawing, by site name (every occurrence of the name).
         :param bool block: hide every message of the replay from the enclosing handlers (default).
         :param bool freeze_batchnorm: keep BatchNorm running statistics unchanged (default).
+        :param bool sites: replay the recorded sites (subsample indices, outer observations, the random state around
+            each site; default). ``False`` only restarts torch's generators where the run started, for code that runs
+            on other data (e.g. a subset of the minibatch, whose plates have another size).
         """
         if self.start_state is None:
             raise ValueError("RunRecorder.replay: nothing was recorded (enter the recorder around a run first)")
         frozen = batchnorm_statistics_frozen() if freeze_batchnorm else contextlib.nullcontext()
         with torch.random.fork_rng(devices=self.devices), frozen:
             _set_random_state(self.start_state, self.devices)
-            with _Replayer(self, {} if values is None else values, block):
+            with _Replayer(self, {} if values is None else values, block, sites):
                 yield
 
 
 class _Replayer(Messenger):
     """The handler behind :meth:`RunRecorder.replay`."""
 
-    def __init__(self, record: RunRecorder, values: Mapping[str, Tensor], block: bool) -> None:
+    def __init__(self, record: RunRecorder, values: Mapping[str, Tensor], block: bool, sites: bool = True) -> None:
         super().__init__()
         self.record = record
+        self.recorded = record.sites if sites else {}
         self.values = values
         self.block = block
         self._counts: Counter[str] = Counter()
@@ -167,7 +172,7 @@ class _Replayer(Messenger):
         if msg["type"] == "sample":
             key = (msg["name"], self._counts[msg["name"]])
             self._counts[msg["name"]] += 1
-            site = self.record.sites.get(key)
+            site = self.recorded.get(key)
             if site is not None:
                 self._sites[id(msg)] = site
                 _set_random_state(site.state_before, self.record.devices)

@@ -36,33 +36,74 @@ def as_closures(owner: str, closure: Closure | Sequence[Closure] | None) -> list
     return closures
 
 
-def gradients_at(closure: Closure, params: Sequence[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
+PerExampleClosure = Callable[[Tensor | None], Tensor]
+"""A closure of ESAM's data selection: ``closure(subset)`` returns the loss of every example of its minibatch
+(``subset=None``) or of the examples at the positions ``subset`` (a 1-D ``LongTensor``), as a 1-D tensor, without
+calling ``backward()``."""
+
+
+def gradients_at(
+    closure: Closure | PerExampleClosure, params: Sequence[Tensor], *, per_example: bool = False,
+    subset: Tensor | None = None,
+) -> tuple[Tensor | None, list[Tensor]]:
     """Zero the gradients, run ``closure`` with grad enabled, and return its loss (detached) and the gradients
-    (zeros for parameters the loss does not depend on)."""
+    (zeros for parameters the loss does not depend on).
+
+    With ``per_example`` the closure is a :data:`PerExampleClosure` called with ``subset``: the gradients are those of
+    the mean of its losses, and the per-example losses are returned."""
     for p in params:
         p.grad = None
     with torch.enable_grad():
-        loss = closure()
+        if per_example:
+            loss = per_example_losses(closure, subset)
+            loss.mean().backward()
+        else:
+            loss = closure()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     return (None if loss is None else loss.detach()), grads
 
 
+def per_example_losses(closure: PerExampleClosure, subset: Tensor | None = None) -> Tensor:
+    """``closure(subset)``, checked to be a 1-D tensor of per-example losses."""
+    losses = closure(subset)
+    if not isinstance(losses, Tensor) or losses.dim() != 1:
+        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(
+            "with ESAM's data selection (esam_gamma < 1) the closure takes `subset` (None or positions in its "
+            "minibatch) and returns one loss per example (a 1-D tensor) without calling backward(); it returned "
+            f"{shape}"
+        )
+    return losses
+
+
 def recorded_gradients_at(
-    closure: Closure, params: Sequence[Tensor]
+    closure: Closure | PerExampleClosure, params: Sequence[Tensor], *, per_example: bool = False
 ) -> tuple[Tensor | None, list[Tensor], RunRecorder]:
     """:func:`gradients_at`, recorded (:class:`~pyro_flat.infer.replay.RunRecorder`) so that
     :func:`replayed_gradients_at` can evaluate the closure again as it ran."""
     with RunRecorder() as run:
-        loss, grads = gradients_at(closure, params)
+        loss, grads = gradients_at(closure, params, per_example=per_example)
     return loss, grads, run
 
 
-def replayed_gradients_at(closure: Closure, params: Sequence[Tensor], run: RunRecorder) -> list[Tensor]:
+def replayed_gradients_at(
+    closure: Closure | PerExampleClosure, params: Sequence[Tensor], run: RunRecorder, *, per_example: bool = False,
+    subset: Tensor | None = None,
+) -> list[Tensor]:
     """The gradients of ``closure`` at the current (moved) ``params``, replaying the recorded evaluation ``run``: the
     same random numbers (dropout masks, a minibatch drawn with torch's generator), the same subsample indices of any
-    ``pyro.plate`` the closure runs, BatchNorm running statistics left unchanged (:mod:`pyro_flat.infer.replay`)."""
-    with run.replay():
-        return gradients_at(closure, params)[1]
+    ``pyro.plate`` the closure runs, BatchNorm running statistics left unchanged (:mod:`pyro_flat.infer.replay`). On
+    a ``subset`` of the minibatch only the random stream restarts where the run's did (its plates have another
+    size)."""
+    with run.replay(sites=subset is None):
+        return gradients_at(closure, params, per_example=per_example, subset=subset)[1]
+
+
+def replayed_losses(closure: PerExampleClosure, run: RunRecorder) -> Tensor:
+    """The per-example losses of ``closure`` at the current parameters, without gradients, replaying ``run`` (ESAM's
+    scoring pass)."""
+    with run.replay(), torch.no_grad():
+        return per_example_losses(closure, None)
 
 
 def mean_loss(losses: Sequence[Tensor | None]) -> Tensor | None:

@@ -46,9 +46,25 @@ minibatch at the guide's values — no prior term, since the prior enters throug
     posterior = opt.guide(model, guide)                           # N(m, 1/(N s)) as a Pyro guide
     Predictive(model, guide=posterior, num_samples=30)(x_test)    # or bma_predict(model, guide_draws(...), x_test)
 
+**Cheaper steps** (:mod:`pyro_flat.ops.efficient_sam`; every default gives bSAM's step). A bSAM step without the
+ascent uses the gradient at the noisy sample for the mean too, :math:`g_\epsilon\leftarrow g` (one gradient
+evaluation: a variational online Newton step, as IVON takes). LookSAM [2] (``looksam_k`` :math:`k>1`): every
+:math:`k`-th step is a bSAM step, which keeps :math:`g_v=g_\epsilon-\langle g,g_\epsilon\rangle g/\|g\|^2`; the
+steps in between use :math:`g_\epsilon\leftarrow g+\alpha\|g\|g_v/\|g_v\|`. ESAM's data selection [3]
+(``esam_gamma`` :math:`\gamma<1`): :math:`g_\epsilon` is taken on the fraction :math:`\gamma` of the minibatch
+whose loss rises most from the noisy sample to :math:`m+\epsilon`. RST [4] (``rst_p`` :math:`p<1`): a bSAM step
+with probability :math:`p`, else the step without the ascent.
+
 References:
     * [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
       arXiv:2210.01620
+    * [2] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
+      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
+    * [3] `Efficient Sharpness-aware Minimization for Improved Training of Neural Networks`, Jiawei Du, Hanshu Yan,
+      Jiashi Feng, Joey Tianyi Zhou, Liangli Zhen, Rick Siow Mong Goh, Vincent Y. F. Tan (ICLR 2022),
+      arXiv:2110.03141
+    * [4] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
+      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
@@ -72,7 +88,26 @@ from ..ops.bayesian_sam import (
     bsam_posterior_std,
     bsam_update_,
 )
-from ._common import Closure, as_closures, check_real, mean_loss, recorded_gradients_at, replayed_gradients_at
+from ..ops.efficient_sam import (
+    DEFAULT_LOOKSAM_ALPHA,
+    SAM_STEP,
+    SharpnessSchedule,
+    check_esam_gamma,
+    looksam_direction,
+    looksam_gradient,
+    sharpness_sensitive_selection,
+)
+from ._common import (
+    Closure,
+    PerExampleClosure,
+    as_closures,
+    check_real,
+    gradients_at,
+    mean_loss,
+    recorded_gradients_at,
+    replayed_gradients_at,
+    replayed_losses,
+)
 
 
 class BayesianSAM(Optimizer):
@@ -99,8 +134,15 @@ class BayesianSAM(Optimizer):
         ``--custominit``).
     :param generator: the random generator of the noise :math:`e`, on the parameters' device; default the global
         one. It is not part of :meth:`state_dict`.
+    :param int looksam_k: LookSAM's period :math:`k\ge1` [2]; default 1 (a bSAM step every step).
+    :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
+    :param float esam_gamma: ESAM's :math:`\gamma\in(0,1]` [3]; default 1 (the whole minibatch). Below 1 the closure
+        protocol is :class:`~pyro_flat.optim.SAM`'s per-example one.
+    :param float rst_p: RST's probability :math:`p\in[0,1]` of a bSAM step [4]; default 1.
+    :param rst_seed: the seed of RST's choices (default: drawn once from torch's CPU generator).
     :raises ValueError: for a hyperparameter outside its range (negative ``rho``, ``prior_precision`` or
-        ``damping``; a non-positive ``num_data``, ``lr`` or ``init_scale``; ``beta`` outside ``[0, 1)``).
+        ``damping``; a non-positive ``num_data``, ``lr`` or ``init_scale``; ``beta`` outside ``[0, 1)``; a bad
+        cheaper-step option, or LookSAM and RST together).
 
     ``step(closure)`` takes a closure that evaluates the **mean** loss of a minibatch at the current parameters,
     calls ``backward()`` and returns the loss (the optimizer sets ``.grad`` to ``None`` before every call and calls
@@ -111,7 +153,8 @@ class BayesianSAM(Optimizer):
     samples (a detached tensor, no host sync).
 
     State per parameter ``p`` (``self.state[p]``): ``"step"`` (number of steps), ``"momentum_buffer"``
-    (:math:`g_m`) and ``"s"`` (:math:`s`).
+    (:math:`g_m`), ``"s"`` (:math:`s`) and, with LookSAM, ``"looksam_direction"`` (:math:`g_v`);
+    :meth:`state_dict` adds the schedule of LookSAM/RST (key ``"schedule"``).
 
     .. note:: The closure must return the *mean* loss over its (sub-)batch: :math:`N` multiplies it implicitly
         through the noise scale :math:`1/\sqrt{Ns}` and :math:`\delta`. A Pyro ``Trace_ELBO`` loss is the *sum*
@@ -131,6 +174,11 @@ class BayesianSAM(Optimizer):
         beta2: float = 0.999,
         init_scale: float = 1.0,
         generator: torch.Generator | None = None,
+        looksam_k: int = 1,
+        looksam_alpha: float = DEFAULT_LOOKSAM_ALPHA,
+        esam_gamma: float = 1.0,
+        rst_p: float = 1.0,
+        rst_seed: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -144,6 +192,8 @@ class BayesianSAM(Optimizer):
         )
         self._check_group(defaults)
         self.generator = generator
+        self.esam_gamma = check_esam_gamma("BayesianSAM", esam_gamma)
+        self.schedule = SharpnessSchedule("BayesianSAM", looksam_k, looksam_alpha, rst_p, rst_seed)
         super().__init__(params, defaults)
 
     @staticmethod
@@ -190,8 +240,11 @@ class BayesianSAM(Optimizer):
     # -----------------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Closure | Sequence[Closure] | None = None) -> Tensor | None:  # type: ignore[override]
-        """One bSAM step; see the class docstring for the closure protocol."""
+    def step(self, closure: Closure | PerExampleClosure | Sequence[Closure | PerExampleClosure] | None = None) -> (
+        Tensor | None
+    ):  # type: ignore[override]
+        """One bSAM step (a LookSAM reuse step or a step without the ascent when the schedule says so); see the class
+        docstring for the closure protocol."""
         closures = as_closures("BayesianSAM", closure)
         groups = [(group, *self._group_state(group)) for group in self.param_groups]
         params = [p for _, ps, _, _ in groups for p in ps]
@@ -200,18 +253,24 @@ class BayesianSAM(Optimizer):
         for _, ps, _, _ in groups:
             group_means.append(means[start : start + len(ps)])
             start += len(ps)
+        kind = self.schedule.next_step()
+        per_example = self.esam_gamma < 1
         num_closures = len(closures)
         losses: list[Tensor | None] = []
         grad_sums: list[Tensor] | None = None
         curv_sums: list[Tensor] | None = None
+        noisy_sums: list[Tensor] | None = None
         for c in closures:
             # noisy sample theta = m + e / sqrt(N s), gradient there
             noisy = []
             for (group, ps, _, s), m in zip(groups, group_means, strict=True):
                 noisy += bsam_noisy_params(m, s, group["num_data"], self._noise(ps))
             torch._foreach_copy_(params, noisy)
-            loss, grads, run = recorded_gradients_at(c, params)
-            losses.append(loss)
+            if kind == SAM_STEP:
+                loss, grads, run = recorded_gradients_at(c, params, per_example=per_example)
+            else:
+                loss, grads = gradients_at(c, params, per_example=per_example)
+            losses.append(loss.mean() if per_example else loss)
             # perturbed mean m + rho g / s, gradient there; curvature sqrt(s)|g|
             perturbed, curvature, pos = [], [], 0
             for (group, ps, _, s), m in zip(groups, group_means, strict=True):
@@ -219,18 +278,30 @@ class BayesianSAM(Optimizer):
                 pos += len(ps)
                 perturbed += bsam_perturbed_means(m, g, s, group["rho"])
                 curvature += bsam_curvature(g, s)
-            torch._foreach_copy_(params, perturbed)
-            grads_perturbed = replayed_gradients_at(c, params, run)
+            if kind == SAM_STEP:
+                torch._foreach_copy_(params, perturbed)
+                grads_perturbed = self._perturbed_gradients(c, params, run, loss)
+            else:  # no ascent: the gradient at the noisy sample for the mean as well
+                grads_perturbed = grads
             if grad_sums is None:
                 grad_sums = [g.clone() for g in grads_perturbed] if num_closures > 1 else grads_perturbed
                 curv_sums = curvature
             else:
                 torch._foreach_add_(grad_sums, grads_perturbed)
                 torch._foreach_add_(curv_sums, curvature)
+            if self.schedule.looksam:
+                if noisy_sums is None:
+                    noisy_sums = [g.clone() for g in grads] if num_closures > 1 else grads
+                else:
+                    torch._foreach_add_(noisy_sums, grads)
         torch._foreach_copy_(params, means)
         if num_closures > 1:
             torch._foreach_div_(grad_sums, float(num_closures))
             torch._foreach_div_(curv_sums, float(num_closures))
+            if noisy_sums is not None:
+                torch._foreach_div_(noisy_sums, float(num_closures))
+        if self.schedule.looksam:
+            grad_sums = self._looksam(kind, params, noisy_sums, grad_sums)
         pos = 0
         for group, ps, momenta, s in groups:
             n = len(ps)
@@ -251,6 +322,39 @@ class BayesianSAM(Optimizer):
             torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)
             pos += n
         return mean_loss(losses)
+
+    def _perturbed_gradients(self, closure: Closure | PerExampleClosure, params: list[Tensor], run: object,
+                             losses: Tensor | None) -> list[Tensor]:
+        r""":math:`g_\epsilon` at the perturbed mean: on the whole minibatch, or on ESAM's selection."""
+        if self.esam_gamma == 1:
+            return replayed_gradients_at(closure, params, run)
+        selection = sharpness_sensitive_selection(losses, replayed_losses(closure, run), self.esam_gamma)
+        return replayed_gradients_at(closure, params, run, per_example=True, subset=selection)
+
+    def _looksam(self, kind: str, params: list[Tensor], grads: list[Tensor], sam_grads: list[Tensor]) -> list[Tensor]:
+        """LookSAM: a bSAM step refreshes the direction :math:`g_v` (kept in the state), a reuse step adds it."""
+        directions = []
+        for p in params:
+            state = self.state[p]
+            if "looksam_direction" not in state:
+                state["looksam_direction"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            directions.append(state["looksam_direction"])
+        if kind == SAM_STEP:
+            torch._foreach_copy_(directions, looksam_direction(grads, sam_grads))
+            return sam_grads
+        return looksam_gradient(grads, directions, self.schedule.looksam_alpha)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["schedule"] = self.schedule.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        schedule = state_dict.pop("schedule", None)
+        if schedule is not None:
+            self.schedule.load_state_dict(schedule)
+        super().load_state_dict(state_dict)
 
     # -----------------------------------------------------------------------------------------------------------------
     # the posterior

@@ -33,11 +33,28 @@ random numbers (dropout masks, indices drawn with torch's generator), the same s
 it runs, and BatchNorm running statistics left unchanged by the perturbed pass (the F-BNN code's
 ``disable_running_stats``).
 
+**Cheaper steps** (:mod:`pyro_flat.ops.efficient_sam`; every default gives SAM's step). LookSAM [3]
+(``looksam_k`` :math:`k>1`): the SAM gradient is computed every :math:`k`-th step, which keeps its part orthogonal to
+the gradient, :math:`g_v=g_s-\langle g,g_s\rangle g/\|g\|^2`; the steps in between evaluate
+:math:`g=\nabla L_{\mathcal B}(\theta)` only and step with :math:`g+\alpha\|g\|g_v/\|g_v\|`
+(``looksam_alpha`` :math:`\alpha`). ESAM's data selection [4] (``esam_gamma`` :math:`\gamma<1`): the SAM gradient
+is taken on the fraction :math:`\gamma` of the minibatch whose loss rises most at :math:`\theta+\hat\epsilon`
+(one extra forward pass finds them). RST [5] (``rst_p`` :math:`p<1`): each step is a SAM step with probability
+:math:`p`, else a step of the base optimizer with :math:`g`. With m-sharpness, LookSAM's :math:`g` and :math:`g_s`
+are the means over the sub-batches and ESAM selects in each sub-batch.
+
 References:
     * [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
       Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
     * [2] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
       Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    * [3] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
+      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
+    * [4] `Efficient Sharpness-aware Minimization for Improved Training of Neural Networks`, Jiawei Du, Hanshu Yan,
+      Jiashi Feng, Joey Tianyi Zhou, Liangli Zhen, Rick Siow Mong Goh, Vincent Y. F. Tan (ICLR 2022),
+      arXiv:2110.03141
+    * [5] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
+      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
@@ -49,8 +66,26 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..ops.efficient_sam import (
+    DEFAULT_LOOKSAM_ALPHA,
+    SAM_STEP,
+    SharpnessSchedule,
+    check_esam_gamma,
+    looksam_direction,
+    looksam_gradient,
+    sharpness_sensitive_selection,
+)
 from ..ops.sam import check_radius, sam_perturbation
-from ._common import Closure, as_closures, mean_loss, recorded_gradients_at, replayed_gradients_at
+from ._common import (
+    Closure,
+    PerExampleClosure,
+    as_closures,
+    gradients_at,
+    mean_loss,
+    recorded_gradients_at,
+    replayed_gradients_at,
+    replayed_losses,
+)
 
 
 class SAM(Optimizer):
@@ -63,15 +98,34 @@ class SAM(Optimizer):
     :param float rho: the radius :math:`\rho\ge0`; default 0.05 (the SAM paper's CIFAR value [1]).
         ``rho=0`` gives the base optimizer at twice the cost.
     :param bool adaptive: use ASAM's elementwise scaling :math:`|\theta|` [2]; default ``False``.
+    :param int looksam_k: LookSAM's period :math:`k\ge1` [3]: the SAM gradient every :math:`k`-th step, the reused
+        direction in between; default 1 (SAM at every step; the paper uses 5).
+    :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
+    :param float esam_gamma: ESAM's :math:`\gamma\in(0,1]` [4], the fraction of each minibatch the SAM gradient is
+        taken on; default 1 (the whole minibatch; the paper uses 0.5). Below 1 the closure protocol changes (below).
+    :param float rst_p: RST's probability :math:`p\in[0,1]` of a SAM step [5]; default 1 (every step; the paper's
+        constant schedule uses 0.5).
+    :param rst_seed: the seed of RST's choices (default: drawn once from torch's CPU generator; see
+        :class:`~pyro_flat.ops.efficient_sam.SharpnessSchedule`).
     :param base_kwargs: arguments of the base optimizer (``lr``, ``momentum``, ``weight_decay``, ...).
 
     ``step(closure)`` takes a closure that zeroes nothing itself (the optimizer sets ``.grad`` to ``None`` before
     every call), evaluates the mean minibatch loss, calls ``backward()`` and returns the loss; or a sequence of
     such closures, one per sub-batch (m-sharpness). It returns the mean of the closures' losses at the
     unperturbed :math:`\theta` (a detached tensor, no host sync). On return ``p.grad`` holds
-    :math:`g_{\mathrm{SAM}}`.
+    :math:`g_{\mathrm{SAM}}` (on a LookSAM reuse step its estimate, on an RST base step :math:`g`).
 
-    ``state_dict()`` holds the base optimizer's state as well (key ``"base_optimizer"``).
+    With ``esam_gamma < 1`` a closure is called as ``closure(subset)`` and returns the **per-example** losses of its
+    minibatch (``subset=None``) or of the examples at the positions ``subset`` (a 1-D ``LongTensor``), a 1-D tensor,
+    *without* calling ``backward()`` (the optimizer differentiates their mean): a step evaluates it at :math:`\theta`,
+    at :math:`\theta+\hat\epsilon` without gradients (to select), and at :math:`\theta+\hat\epsilon` on the
+    selection, the later calls replaying the first one's random numbers.
+
+    ``state_dict()`` holds the base optimizer's state (key ``"base_optimizer"``), the schedule of LookSAM/RST (key
+    ``"schedule"``) and LookSAM's direction :math:`g_v` (per parameter, ``"looksam_direction"``).
+
+    :raises ValueError: for a bad ``rho``, ``adaptive``, base optimizer or cheaper-step option (LookSAM and RST
+        together included).
     """
 
     def __init__(
@@ -80,6 +134,12 @@ class SAM(Optimizer):
         base_optimizer: Callable[..., Optimizer],
         rho: float = 0.05,
         adaptive: bool = False,
+        *,
+        looksam_k: int = 1,
+        looksam_alpha: float = DEFAULT_LOOKSAM_ALPHA,
+        esam_gamma: float = 1.0,
+        rst_p: float = 1.0,
+        rst_seed: int | None = None,
         **base_kwargs: Any,
     ) -> None:
         if not callable(base_optimizer):
@@ -88,6 +148,8 @@ class SAM(Optimizer):
             raise ValueError(f"SAM: `adaptive` must be a bool, got {adaptive!r}")
         self.rho = check_radius(rho)
         self.adaptive = adaptive
+        self.esam_gamma = check_esam_gamma("SAM", esam_gamma)
+        self.schedule = SharpnessSchedule("SAM", looksam_k, looksam_alpha, rst_p, rst_seed)
         super().__init__(params, dict(base_kwargs))
         self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
         if not isinstance(self.base_optimizer, Optimizer):
@@ -103,29 +165,61 @@ class SAM(Optimizer):
         return sam_perturbation(grads, self.rho, adaptive=self.adaptive, params=params)
 
     @torch.no_grad()
-    def step(self, closure: Closure | Sequence[Closure] | None = None) -> Tensor | None:  # type: ignore[override]
-        """One SAM step; see the class docstring for the closure protocol."""
+    def step(self, closure: Closure | PerExampleClosure | Sequence[Closure | PerExampleClosure] | None = None) -> (
+        Tensor | None
+    ):  # type: ignore[override]
+        """One SAM step (a LookSAM reuse step or an RST base step when the schedule says so); see the class docstring
+        for the closure protocol."""
         closures = as_closures("SAM", closure)
         params = self._params()
-        origin = [p.detach().clone() for p in params]
-        losses, grad_sum = [], None
+        kind = self.schedule.next_step()
+        per_example = self.esam_gamma < 1
+        losses, grad_sum, first_sum = [], None, None
+        origin = [p.detach().clone() for p in params] if kind == SAM_STEP else None
         for c in closures:
-            loss, grads, run = recorded_gradients_at(c, params)
-            losses.append(loss)
-            eps = self.perturbation(grads, origin)
-            torch._foreach_add_(params, eps)
-            grads = replayed_gradients_at(c, params, run)
-            torch._foreach_copy_(params, origin)
-            if grad_sum is None:
-                grad_sum = [g.clone() for g in grads] if len(closures) > 1 else grads
+            if kind != SAM_STEP:  # one gradient evaluation at theta
+                loss, grads = gradients_at(c, params, per_example=per_example)
+                first, grads = grads, grads
             else:
-                torch._foreach_add_(grad_sum, grads)
+                loss, first, run = recorded_gradients_at(c, params, per_example=per_example)
+                torch._foreach_add_(params, self.perturbation(first, origin))
+                grads = self._sam_gradients(c, params, run, loss)
+                torch._foreach_copy_(params, origin)
+            losses.append(loss.mean() if per_example else loss)
+            grad_sum = _accumulate(grad_sum, grads, len(closures))
+            if self.schedule.looksam:
+                first_sum = _accumulate(first_sum, first, len(closures))
         if len(closures) > 1:
             torch._foreach_div_(grad_sum, float(len(closures)))
+            if first_sum is not None and first_sum is not grad_sum:
+                torch._foreach_div_(first_sum, float(len(closures)))
+        if self.schedule.looksam:
+            grad_sum = self._looksam(kind, params, first_sum, grad_sum)
         for p, g in zip(params, grad_sum, strict=True):
             p.grad = g
         self.base_optimizer.step()
         return mean_loss(losses)
+
+    def _sam_gradients(self, closure: Closure | PerExampleClosure, params: list[Tensor], run: object,
+                       losses: Tensor | None) -> list[Tensor]:
+        """The SAM gradient at the perturbed ``params``: on the whole minibatch, or on ESAM's selection."""
+        if self.esam_gamma == 1:
+            return replayed_gradients_at(closure, params, run)
+        selection = sharpness_sensitive_selection(losses, replayed_losses(closure, run), self.esam_gamma)
+        return replayed_gradients_at(closure, params, run, per_example=True, subset=selection)
+
+    def _looksam(self, kind: str, params: list[Tensor], grads: list[Tensor], sam_grads: list[Tensor]) -> list[Tensor]:
+        """LookSAM: a SAM step refreshes the direction :math:`g_v` (kept in the state), a reuse step adds it."""
+        directions = []
+        for p in params:
+            state = self.state[p]
+            if "looksam_direction" not in state:
+                state["looksam_direction"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            directions.append(state["looksam_direction"])
+        if kind == SAM_STEP:
+            torch._foreach_copy_(directions, looksam_direction(grads, sam_grads))
+            return sam_grads
+        return looksam_gradient(grads, directions, self.schedule.looksam_alpha)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base_optimizer.zero_grad(set_to_none)
@@ -133,6 +227,7 @@ class SAM(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["base_optimizer"] = self.base_optimizer.state_dict()
+        state["schedule"] = self.schedule.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -140,9 +235,20 @@ class SAM(Optimizer):
         base = state_dict.pop("base_optimizer", None)
         if base is None:
             raise ValueError("SAM.load_state_dict: the state has no 'base_optimizer' entry (not saved by SAM?)")
+        schedule = state_dict.pop("schedule", None)
+        if schedule is not None:
+            self.schedule.load_state_dict(schedule)
         self.base_optimizer.load_state_dict(base)
         super().load_state_dict(state_dict)
         self.param_groups = self.base_optimizer.param_groups
+
+
+def _accumulate(total: list[Tensor] | None, grads: list[Tensor], count: int) -> list[Tensor]:
+    """``total + grads`` (the first ``grads`` themselves for one closure, a copy for several)."""
+    if total is None:
+        return [g.clone() for g in grads] if count > 1 else grads
+    torch._foreach_add_(total, grads)
+    return total
 
 
 __all__ = ["SAM"]

@@ -50,6 +50,23 @@ selective outer ``poutine.block`` hides a site from the transform as inside; an 
 ``poutine.reparam`` is refused (apply them inside). A model reparameterised inside (``poutine.reparam``, e.g.
 ``LocScaleReparam``) is perturbed through its new latent sites.
 
+**Cheaper steps** (:mod:`pyro_flat.ops.efficient_sam`; the defaults give the density above at every call). With
+LookSAM [4] (``looksam_k`` :math:`k>1`) every :math:`k`-th gradient evaluation takes the ascent and keeps the part of
+the SAM gradient orthogonal to the gradient at :math:`\theta`, :math:`g_v=g_s-\langle g,g_s\rangle g/\|g\|^2`
+(gradients of :math:`-\ell_B` with respect to the latent values, global over the sites, one per particle); the
+evaluations in between run the recording pass only and give the latent values the gradient
+:math:`g+\alpha\|g\|g_v/\|g_v\|`. With RST [5] (``rst_p`` :math:`p<1`) each gradient evaluation takes the ascent
+with probability :math:`p` and is the model's own density at :math:`\theta` otherwise (one pass). A step without the
+ascent has the value :math:`\ell_B(\theta)`. The schedule advances at every call with gradients enabled (one per
+step of SVI with one or vectorised particles or of an SG-MCMC kernel; the SA-ELBOs advance it once per step for all
+their particles); calls without gradients (``Predictive``, ``SVI.evaluate_loss``) take the ascent and leave it alone.
+On a LookSAM step the likelihood's gradients come from explicit ``torch.autograd.grad`` calls (one backward pass per
+pass, as SAM's), so every trainable tensor the likelihood reads must be a latent value or a Pyro parameter
+(``pyro.param``, a ``PyroModule`` parameter, ``pyro.module``); another one is refused with a ``ValueError`` at the
+first such step. ESAM's data selection is not offered here: the minibatch is drawn by the model's own plate, whose
+``subsample_size`` fixes its size, so part of it cannot be scored without the model's help (it is an option of
+:class:`~pyro_flat.optim.SAM` and :class:`~pyro_flat.optim.BayesianSAM`, whose closures take a subset).
+
 **Nothing to perturb.** A run without an observed site (e.g. ``y`` omitted) or without a continuous latent site
 gives the model's own density; in a run with gradients enabled (an inference step) a
 :class:`~pyro_flat.infer.NothingToPerturbWarning` says so, once per transformed model and cause (under
@@ -63,12 +80,17 @@ References:
       Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
     * [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
       Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    * [4] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
+      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
+    * [5] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
+      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pyro
 import torch
@@ -83,8 +105,18 @@ from torch.distributions.transforms import Transform
 
 from .._validation import all_true
 from ..distributed import all_reduce_mean, check_distributed
+from ..infer.compiled import CaptureError, is_capturing
 from ..infer.replay import RunRecorder
 from ..infer.util import is_deterministic_site, is_latent_site, is_real_support, warn_nothing_to_perturb
+from ..ops.efficient_sam import (
+    BASE_STEP,
+    DEFAULT_LOOKSAM_ALPHA,
+    REUSE_STEP,
+    SAM_STEP,
+    SharpnessSchedule,
+    looksam_direction,
+    looksam_gradient,
+)
 from ..ops.sam import check_radius, sam_perturbation
 from ._outer import hidden_outside
 
@@ -117,9 +149,11 @@ class _RecordingPass(RunRecorder):
     while the enclosing handlers record :math:`\theta` (their ``_postprocess_message`` runs before this innermost
     one). Sites hidden by a selective block outside the transform are ignored, as if blocked inside it."""
 
-    def __init__(self, shift: bool) -> None:
+    def __init__(self, shift: bool, collect_params: bool = False) -> None:
         super().__init__()
         self.shift = shift
+        self.collect_params = collect_params
+        self.params: dict[int, Tensor] = {}
         self.latents: dict[str, tuple[Tensor, object]] = {}
         self.conditioned: dict[str, dict] = {}
         self.deltas: dict[str, Tensor] = {}
@@ -144,6 +178,8 @@ class _RecordingPass(RunRecorder):
     def _postprocess_message(self, msg: dict) -> None:
         super()._postprocess_message(msg)
         name = msg["name"]
+        if msg["type"] == "param" and self.collect_params:
+            _keep_trainable(self.params, msg["value"])
         if msg["type"] != "sample" or site_is_subsample(msg):
             return
         if name in self._likelihood_names:
@@ -163,6 +199,12 @@ class _RecordingPass(RunRecorder):
             delta = torch.zeros_like(value, requires_grad=True)
             self.deltas[name] = delta
             msg["value"] = value + delta
+
+
+def _keep_trainable(params: dict[int, Tensor], value: object) -> None:
+    """Keep a parameter's value (by identity) if gradients flow to it."""
+    if isinstance(value, Tensor) and value.requires_grad:
+        params.setdefault(id(value), value)
 
 
 def check_options(rho: float, adaptive: bool, freeze_batchnorm: bool, distributed: bool = False) -> float:
@@ -247,6 +289,8 @@ class SharpnessAwareModel(nn.Module):
     :param bool distributed: average :math:`\hat g` over the ranks of ``process_group`` before its norm is taken
         (see :mod:`pyro_flat.distributed`).
     :param process_group: the :mod:`torch.distributed` group of ``distributed`` (default: the world).
+    :param schedule: which calls take the ascent (LookSAM, RST; see the module docstring), shared with its owner (the
+        SA-ELBOs pass theirs); default ``None``: every call. It also keeps LookSAM's directions :math:`g_v`, by site.
     """
 
     def __init__(
@@ -258,6 +302,7 @@ class SharpnessAwareModel(nn.Module):
         freeze_batchnorm: bool = True,
         distributed: bool = False,
         process_group: object | None = None,
+        schedule: SharpnessSchedule | None = None,
     ) -> None:
         super().__init__()
         if not callable(model):
@@ -268,12 +313,52 @@ class SharpnessAwareModel(nn.Module):
         self.freeze_batchnorm = freeze_batchnorm
         self.distributed = distributed
         self.process_group = process_group
+        self.schedule = SharpnessSchedule("sharpness_aware") if schedule is None else schedule
+        if not isinstance(self.schedule, SharpnessSchedule):
+            raise ValueError(f"`schedule` must be a SharpnessSchedule or None, got {type(schedule).__name__}")
+        if distributed and self.schedule.active:
+            raise ValueError("sharpness_aware: LookSAM and RST (looksam_k > 1, rst_p < 1) are not supported with "
+                             "distributed=True")
+        self._fixed_kind: str | None = None
+        self._checked_kinds: set[str] = set()
 
     def extra_repr(self) -> str:
         return (
             f"rho={self.rho}, adaptive={self.adaptive}, freeze_batchnorm={self.freeze_batchnorm}, "
-            f"distributed={self.distributed}"
+            f"distributed={self.distributed}, schedule={self.schedule}"
         )
+
+    @contextlib.contextmanager
+    def step_kind(self, kind: str) -> Iterator[None]:
+        """Within the block every call computes a step of ``kind`` (:data:`~pyro_flat.ops.efficient_sam.SAM_STEP`,
+        ``REUSE_STEP`` or ``BASE_STEP``) and leaves the schedule alone: an SA-ELBO decides once per step for all its
+        particles, and its compiled twin captures each kind once."""
+        if kind not in (SAM_STEP, REUSE_STEP, BASE_STEP):
+            raise ValueError(f"sharpness_aware: unknown step kind {kind!r}")
+        previous, self._fixed_kind = self._fixed_kind, kind
+        try:
+            yield
+        finally:
+            self._fixed_kind = previous
+
+    def _scheduled(self, grad_enabled: bool) -> bool:
+        """Whether this call's kind comes from (and advances) the schedule."""
+        return grad_enabled and self._fixed_kind is None and self.schedule.active
+
+    def _next_kind(self, grad_enabled: bool) -> str:
+        """The kind of this call's step: the ascent without gradients (an evaluation), the kind fixed by
+        :meth:`step_kind`, else the schedule's next (not taken yet: a call with nothing to perturb, e.g. an autoguide's
+        prototype run, leaves the schedule alone)."""
+        if not grad_enabled:
+            return SAM_STEP
+        if self._fixed_kind is not None:
+            return self._fixed_kind
+        if not self.schedule.active:
+            return SAM_STEP
+        if is_capturing():
+            raise CaptureError("sharpness_aware with LookSAM or RST decides at every call which passes to run, so one "
+                               "capture cannot stand for its steps")
+        return self.schedule.peek_step()
 
     def _log_likelihood(self, sites: Mapping[str, dict], frames: Sequence[CondIndepStackFrame]) -> Tensor:
         r""":math:`\ell_B`: the scaled and masked log-likelihood of ``sites``, summed to the vectorised ``frames``
@@ -289,12 +374,17 @@ class SharpnessAwareModel(nn.Module):
 
     def _replayed_log_likelihood(
         self, values: Mapping[str, Tensor], likelihood: Mapping[str, dict], record: _RecordingPass,
-        frames: Sequence[CondIndepStackFrame], args: tuple, kwargs: dict,
+        frames: Sequence[CondIndepStackFrame], args: tuple, kwargs: dict, params: dict[int, Tensor] | None = None,
     ) -> Tensor:
         r""":math:`\ell_B` at ``values``: the recorded run replayed (same minibatch, observations and random numbers,
-        blocked from the enclosing handlers, BatchNorm statistics frozen if asked)."""
+        blocked from the enclosing handlers, BatchNorm statistics frozen if asked); the trainable parameters it reads
+        are added to ``params`` if given."""
         with record.replay(values, freeze_batchnorm=self.freeze_batchnorm):
             trace = poutine.trace(self.model).get_trace(*args, **kwargs)
+        if params is not None:
+            for site in trace.nodes.values():
+                if site["type"] == "param":
+                    _keep_trainable(params, site["value"])
         missing = sorted(set(likelihood) - set(trace.nodes))
         if missing:
             raise ValueError(
@@ -334,6 +424,105 @@ class SharpnessAwareModel(nn.Module):
             perturbed[name] = value + e if transform is None else transform(transform.inv(value) + e)
         return perturbed
 
+    # -------------------------------------------------------------------------------------------------------------
+    # LookSAM and RST steps
+
+    def _directions(self, record: _RecordingPass) -> list[Tensor]:
+        """LookSAM's :math:`g_v` of every latent site (kept in the schedule; zeros before the first refresh)."""
+        directions = self.schedule.directions
+        for name, (value, _) in record.latents.items():
+            if name not in directions or directions[name].shape != value.shape:
+                directions[name] = torch.zeros_like(value, memory_format=torch.contiguous_format).detach()
+        return [directions[name] for name in record.latents]
+
+    def _explicit_factor(
+        self, log_lik: Tensor, values: Sequence[Tensor], value_grads: Sequence[Tensor], params: Sequence[Tensor],
+        param_grads: Sequence[Tensor | None], record: _RecordingPass, frames: Sequence[CondIndepStackFrame],
+    ) -> Tensor:
+        r"""A factor with the value of ``log_lik`` whose gradient is :math:`-` ``value_grads`` with respect to the
+        latent tensors ``values`` (through their graphs) and :math:`-` ``param_grads`` with respect to ``params``
+        (``value_grads``, ``param_grads``: gradients of :math:`-\ell_B`, computed already): the likelihood's graph is
+        not differentiated again."""
+        factor = log_lik.detach()
+        for value, grad, (_, fn) in zip(values, value_grads, record.latents.values(), strict=True):
+            term = grad.detach() * (value - value.detach())
+            if fn.event_dim:
+                term = term.sum(tuple(range(-fn.event_dim, 0)))
+            factor = factor - _sum_to_plates(term, frames)
+        param_term = sum((g.detach() * (p - p.detach())).sum() for p, g in zip(params, param_grads, strict=True)
+                         if g is not None)
+        if isinstance(param_term, Tensor):  # spread over the plate elements, whose factors are summed
+            factor = factor - param_term / factor.numel()
+        return factor
+
+    def _check_leaves(self, kind: str, log_lik: Tensor, inputs: Sequence[Tensor]) -> None:
+        """Refuse, once per kind of step, a likelihood that reads a trainable tensor other than ``inputs`` (its
+        gradient would be lost by :meth:`_explicit_factor`): a walk of the autograd graph, no host read."""
+        if kind in self._checked_kinds or log_lik.grad_fn is None:
+            return
+        known = {id(t) for t in inputs}
+        stops = {t.grad_fn for t in inputs if t.grad_fn is not None}
+        seen, stack = set(), [log_lik.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in stops:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) not in known:
+                raise ValueError(
+                    f"sharpness_aware with LookSAM (looksam_k={self.schedule.looksam_k}): the likelihood reads a "
+                    f"trainable tensor of shape {tuple(variable.shape)} that is neither a latent value nor a Pyro "
+                    "parameter (pyro.param, a PyroModule parameter, pyro.module), so its gradient would be lost; "
+                    "register it with Pyro or use looksam_k=1"
+                )
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        self._checked_kinds.add(kind)
+
+    def _event_dims(self, record: _RecordingPass) -> list[int]:
+        return [fn.event_dim for _, fn in record.latents.values()]
+
+    def _reuse_factor(self, record: _RecordingPass, log_lik: Tensor, frames: Sequence[CondIndepStackFrame]) -> Tensor:
+        r"""A LookSAM step between refreshes: :math:`\ell_B(\theta)` with the gradient
+        :math:`-(g+\alpha\|g\|g_v/\|g_v\|)` in the latent values, :math:`g=-\nabla\ell_B(\theta)`."""
+        deltas = [record.deltas[name] for name in record.latents]
+        values = [value for value, _ in record.latents.values()]
+        params = list(record.params.values())
+        self._check_leaves(REUSE_STEP, log_lik, [*deltas, *params, *values])
+        grads = torch.autograd.grad(-log_lik.sum(), [*deltas, *params], allow_unused=True)
+        n = len(deltas)
+        g = [torch.zeros_like(d) if x is None else x for x, d in zip(grads[:n], deltas, strict=True)]
+        alpha = self.schedule.looksam_alpha
+
+        def corrected(gs: list[Tensor], vs: list[Tensor]) -> list[Tensor]:
+            return looksam_gradient(gs, vs, alpha)
+
+        g = _per_plate_element(corrected, g, self._directions(record), self._event_dims(record), frames)
+        return self._explicit_factor(log_lik, values, g, params, grads[n:], record, frames)
+
+    def _refresh_factor(
+        self, record: _RecordingPass, grads: Sequence[Tensor | None], perturbed: Mapping[str, Tensor],
+        likelihood: Mapping[str, dict], frames: Sequence[CondIndepStackFrame], args: tuple, kwargs: dict,
+    ) -> Tensor:
+        r"""A LookSAM refresh: the SAM step's factor :math:`\ell_B(\theta')`, its gradient
+        :math:`g_s=-\nabla\ell_B(\theta')` taken explicitly, and :math:`g_v` of :math:`g_s` against ``grads`` kept."""
+        leaves = {name: value.detach().requires_grad_() for name, value in perturbed.items()}
+        params: dict[int, Tensor] = {}
+        with torch.enable_grad():
+            log_lik = self._replayed_log_likelihood(leaves, likelihood, record, frames, args, kwargs, params=params)
+            self._check_leaves(SAM_STEP, log_lik, [*leaves.values(), *params.values()])
+            all_grads = torch.autograd.grad(-log_lik.sum(), [*leaves.values(), *params.values()], allow_unused=True)
+        n = len(leaves)
+        sam_grads = [torch.zeros_like(v) if x is None else x for x, v in zip(all_grads[:n], leaves.values(),
+                                                                                strict=True)]
+        first = [torch.zeros_like(v) if x is None else x.detach() for x, (v, _) in zip(grads, record.latents.values(),
+                                                                                      strict=True)]
+        directions = _per_plate_element(looksam_direction, first, sam_grads, self._event_dims(record), frames)
+        for kept, new in zip(self._directions(record), directions, strict=True):  # in place: a capture reads them
+            kept.copy_(new)
+        return self._explicit_factor(log_lik, list(perturbed.values()), sam_grads, list(params.values()),
+                                     all_grads[n:], record, frames)
+
     def _check_perturbed(self, record: _RecordingPass, perturbed: Mapping[str, Tensor]) -> None:
         """A clear error if a perturbed value overflowed out of its site's support (one host read; under validation
         or on the error path only)."""
@@ -364,7 +553,8 @@ class SharpnessAwareModel(nn.Module):
             )
         frames = [f for f in get_plates() if f.vectorized]
         grad_enabled = torch.is_grad_enabled()
-        with _RecordingPass(shift=grad_enabled) as record:
+        kind = self._next_kind(grad_enabled)
+        with _RecordingPass(shift=grad_enabled and kind != BASE_STEP, collect_params=kind == REUSE_STEP) as record:
             result = self.model(*args, **kwargs)
         # the model's own observations (scored here) and those of enclosing conditions (scored by the enclosing
         # handlers at theta, here only the difference to theta + eps): one likelihood, as if all were inside
@@ -377,11 +567,29 @@ class SharpnessAwareModel(nn.Module):
                     "model's own"))
             return result
         self._check_sites(record)
+        if record.latents and self._scheduled(grad_enabled):
+            self.schedule.next_step()  # the step is taken
         if not record.latents:  # the SA posterior of no latent is the model's own
             if grad_enabled:
                 self._warn_no_latent(record)
             if record.likelihood:
                 pyro.factor(LOG_LIKELIHOOD_SITE, self._log_likelihood(record.likelihood, frames))
+            return result
+        if kind == BASE_STEP:  # RST without the ascent: the model's own likelihood at theta
+            if record.likelihood:
+                pyro.factor(LOG_LIKELIHOOD_SITE, self._log_likelihood(record.likelihood, frames))
+            return result
+        looksam = self.schedule.looksam and grad_enabled
+        if looksam and record.conditioned:
+            raise ValueError(
+                f"sharpness_aware with LookSAM (looksam_k={self.schedule.looksam_k}): the sites "
+                f"{sorted(record.conditioned)} are conditioned outside the transformed model; condition them inside "
+                "(sharpness_aware(pyro.condition(model, data))) or use looksam_k=1"
+            )
+        if kind == REUSE_STEP:
+            with torch.enable_grad():
+                log_lik = self._log_likelihood(record.likelihood, frames)
+                pyro.factor(LOG_LIKELIHOOD_SITE, self._reuse_factor(record, log_lik, frames))
             return result
         outer_log_lik = self._log_likelihood(record.conditioned, frames) if record.conditioned else 0.0
         with torch.enable_grad():
@@ -407,7 +615,10 @@ class SharpnessAwareModel(nn.Module):
         if is_validation_enabled():
             self._check_perturbed(record, perturbed)
         try:
-            perturbed_log_lik = self._replayed_log_likelihood(perturbed, likelihood, record, frames, args, kwargs)
+            if looksam:
+                perturbed_log_lik = self._refresh_factor(record, grads, perturbed, likelihood, frames, args, kwargs)
+            else:
+                perturbed_log_lik = self._replayed_log_likelihood(perturbed, likelihood, record, frames, args, kwargs)
         except ValueError as error:
             self._check_perturbed(record, perturbed)
             raise ValueError(
@@ -439,6 +650,10 @@ def sharpness_aware(
     freeze_batchnorm: bool = True,
     distributed: bool = False,
     process_group: object | None = None,
+    looksam_k: int = 1,
+    looksam_alpha: float = DEFAULT_LOOKSAM_ALPHA,
+    rst_p: float = 1.0,
+    rst_seed: int | None = None,
 ) -> SharpnessAwareModel:
     r"""Transform a Pyro model into its sharpness-aware posterior model: prior at :math:`\theta`, likelihood at the
     SAM point :math:`\theta+\rho\hat g/\|\hat g\|_2` (the density and its terms are in the module docstring).
@@ -459,9 +674,17 @@ def sharpness_aware(
     :param bool distributed: average :math:`\hat g` over the ranks before its norm is taken (one ``all_reduce``,
         :mod:`pyro_flat.distributed`); default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
+    :param int looksam_k: LookSAM's period :math:`k\ge1` [4]: the ascent every :math:`k`-th gradient evaluation, the
+        reused direction in between; default 1 (every evaluation; the paper uses 5).
+    :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
+    :param float rst_p: RST's probability :math:`p\in[0,1]` that a gradient evaluation takes the ascent [5]; default
+        1 (every one; the paper's constant schedule uses 0.5).
+    :param rst_seed: the seed of RST's choices; default ``None``: drawn once from torch's CPU generator here.
     :returns: the transformed model, a :class:`SharpnessAwareModel`.
-    :raises ValueError: for a bad ``rho``; when called, for a discrete latent site, an outer ``poutine.do`` or
-        ``poutine.reparam``, or a SAM step that leaves a site's support. (A run without a latent site or an
+    :raises ValueError: for a bad ``rho`` or cheaper-step option (LookSAM and RST together, either with
+        ``distributed``); when called, for a discrete latent site, an outer ``poutine.do`` or ``poutine.reparam``, a
+        SAM step that leaves a site's support, or with LookSAM a site conditioned outside or a trainable tensor that
+        Pyro does not know. (A run without a latent site or an
         observation has nothing to perturb: its density is the model's, with a
         :class:`~pyro_flat.infer.NothingToPerturbWarning` when gradients are on.)
 
@@ -477,6 +700,7 @@ def sharpness_aware(
     return SharpnessAwareModel(
         model, rho, adaptive=adaptive, freeze_batchnorm=freeze_batchnorm, distributed=distributed,
         process_group=process_group,
+        schedule=SharpnessSchedule("sharpness_aware", looksam_k, looksam_alpha, rst_p, rst_seed),
     )
 
 

@@ -235,6 +235,43 @@ def test_f_sgld_and_entropy_mcmc_on_a_network_are_the_eager_chains():
             torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("options", [{"looksam_k": 3}, {"rst_p": 0.5}])
+@pytest.mark.parametrize("guide", [AutoNormal, AutoDelta])
+def test_looksam_and_rst_steps_are_the_eager_steps_one_capture_per_kind(options, guide):
+    # 8 steps: every kind of step runs eagerly, is captured, then runs from its capture; LookSAM's directions are
+    # written by the captured refreshes and read by the captured reuse steps
+    x, y = _data((5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompilationFallbackWarning)
+        pyro.set_rng_seed(3)
+        want = _svi(_mlp, SharpnessAwareELBO(0.05, **options), x, y, steps=8, guide=guide, subsample_size=8)
+        pyro.set_rng_seed(3)
+        got = _svi(_mlp, JitSharpnessAwareELBO(0.05, jit_options={"backend": None}, **options), x, y, steps=8,
+                   guide=guide, subsample_size=8)
+    _assert_same_run(got, want)
+    assert len(got["loss"].captures()) == 2  # one per kind of step: the ascent, and the reuse / base step
+
+
+def test_a_kernel_on_a_scheduled_transform_runs_eagerly_and_says_why():
+    # a kernel's capture cannot key on the transform's schedule, which decides at every call: it runs eagerly
+    x, y = _data((5,))
+
+    def run(**options):
+        model = _mlp()
+        pyro.set_rng_seed(0)
+        kernel = SGLD(sharpness_aware(model, 0.05, rst_p=0.5), step_size=1e-3, init_strategy=init_to_network(model),
+                      **options)
+        mcmc = MCMC(kernel, num_samples=STEPS, warmup_steps=1, disable_progbar=True)
+        mcmc.run(x, y, subsample_size=8)
+        return mcmc.get_samples()
+
+    want = run()
+    with pytest.warns(CompilationFallbackWarning, match="decides at every call which passes to run"):
+        got = run(jit_compile=True, jit_options={"backend": None})
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------------------- keys and re-capture
 
 

@@ -3,6 +3,7 @@
 
 import copy
 import math
+import random
 
 import pytest
 import torch
@@ -365,3 +366,102 @@ def test_guide_is_the_posterior_gaussian_of_the_optimizer_and_predicts_in_the_su
     assert (draws["s"] > 0).all() and draws["w"].shape[0] == 50 and draws["w"].shape[-1] == 2  # Pyro adds a plate dim
     with pytest.raises(ValueError, match="AutoDelta that has run once"):
         opt.guide(model, AutoDelta(model))
+
+
+# ------------------------------------------------------- LookSAM, ESAM, RST against a plain-torch re-implementation
+
+
+def _per_example(x, y, theta):
+    return torch.log(torch.cosh(x @ theta - y))
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 2}, {"looksam_k": 3, "looksam_alpha": 1.2}, {"rst_p": 0.5},
+                                     {"esam_gamma": 0.5}])
+def test_cheaper_steps_equal_a_plain_torch_reimplementation(options):
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(10, 5, generator=g), torch.randn(10, generator=g)
+    init = torch.randn(5, generator=g)
+    params = [init[:2].clone().requires_grad_(), init[2:].clone().requires_grad_()]
+    hyper = dict(lr=0.3, num_data=40, rho=0.05, prior_precision=2.0, damping=0.1, beta1=0.8, beta2=0.9)
+    gamma, k = options.get("esam_gamma", 1.0), options.get("looksam_k", 1)
+    alpha, p = options.get("looksam_alpha", 0.7), options.get("rst_p", 1.0)
+    steps = 6
+    torch.manual_seed(4)
+    opt = BayesianSAM(params, generator=torch.Generator().manual_seed(5), **hyper, **options)
+    for _ in range(steps):
+        if gamma < 1:
+            opt.step(lambda subset: _per_example(x if subset is None else x[subset],
+                                                 y if subset is None else y[subset], torch.cat(params)))
+        else:
+            def closure():
+                loss = _per_example(x, y, torch.cat(params)).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    torch.manual_seed(4)
+    rng = random.Random(int(torch.randint(2**62, ()))) if p < 1 else None
+    noise_gen = torch.Generator().manual_seed(5)
+    n, delta = hyper["num_data"], hyper["prior_precision"] / hyper["num_data"]
+    m, gm, s = init.clone(), torch.zeros(5), torch.ones(5)
+
+    def grad(point, rows=slice(None)):
+        point = point.detach().requires_grad_()
+        return torch.autograd.grad(_per_example(x[rows], y[rows], point).mean(), point)[0]
+
+    kinds = []
+    for t in range(steps):
+        kind = ("sam" if t % k == 0 else "reuse") if k > 1 else ("sam" if rng is None or rng.random() < p else "base")
+        kinds.append(kind)
+        e = torch.cat([torch.randn(2, generator=noise_gen), torch.randn(3, generator=noise_gen)])
+        theta = m + e / torch.sqrt(n * s)
+        g_noisy = grad(theta)
+        if kind == "sam":
+            perturbed = m + hyper["rho"] * g_noisy / s
+            rows = slice(None)
+            if gamma < 1:
+                increase = _per_example(x, y, perturbed) - _per_example(x, y, theta)
+                rows = torch.topk(increase, math.floor(gamma * len(x))).indices
+            g_eps = grad(perturbed, rows)
+            gv = g_eps - (g_noisy @ g_eps) / (g_noisy @ g_noisy + 1e-12) * g_noisy
+        elif kind == "reuse":
+            g_eps = g_noisy + alpha * g_noisy.norm() / (gv.norm() + 1e-12) * gv
+        else:
+            g_eps = g_noisy
+        gm = hyper["beta1"] * gm + (1 - hyper["beta1"]) * (g_eps + delta * m)
+        m = m - hyper["lr"] * gm / s
+        s = hyper["beta2"] * s + (1 - hyper["beta2"]) * (torch.sqrt(s) * g_noisy.abs() + hyper["damping"] + delta)
+    if 0 < p < 1:
+        assert {"sam", "base"} <= set(kinds)
+    torch.testing.assert_close(torch.cat(params).detach(), m, atol=1e-12, rtol=0)
+    torch.testing.assert_close(torch.cat([opt.state[q]["s"] for q in params]), s, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 3}, {"rst_p": 0.5}])
+def test_resumed_cheaper_steps_equal_uninterrupted(options):
+    w = torch.rand(2, 3) + 0.5
+
+    def run(params, opt, k):
+        for _ in range(k):
+            opt.step(_closure(params, w))
+
+    torch.manual_seed(0)
+    init = [torch.randn(2, 3), torch.randn(4)]
+    full = [t.clone().requires_grad_() for t in init]
+    torch.manual_seed(1)
+    run(full, BayesianSAM(full, lr=0.2, num_data=30, generator=torch.Generator().manual_seed(4), **options), 7)
+    torch.manual_seed(1)
+    half = [t.clone().requires_grad_() for t in init]
+    gen = torch.Generator().manual_seed(4)
+    opt = BayesianSAM(half, lr=0.2, num_data=30, generator=gen, **options)
+    run(half, opt, 4)
+    saved = copy.deepcopy({"opt": opt.state_dict(), "params": [p.detach() for p in half], "rng": gen.get_state()})
+    torch.manual_seed(77)
+    resumed = [t.clone().requires_grad_() for t in saved["params"]]
+    gen2 = torch.Generator()
+    gen2.set_state(saved["rng"])
+    opt2 = BayesianSAM(resumed, lr=0.2, num_data=30, generator=gen2, **options)
+    opt2.load_state_dict(saved["opt"])
+    run(resumed, opt2, 3)
+    for p, q in zip(full, resumed, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -1,6 +1,8 @@
 """pyro_flat.optim.SAM: the documented step on closed forms, m-sharpness, rho = 0, state round trips, Pyro use."""
 
 import copy
+import math
+import random
 
 import pyro
 import pyro.distributions as dist
@@ -190,3 +192,152 @@ def test_sam_on_an_autodelta_equals_svi_on_the_sharpness_aware_model_when_the_pr
     via_optimizer = guide.median()["w"].detach()
     torch.testing.assert_close(via_optimizer, via_svi, rtol=1e-10, atol=1e-12)
     assert (via_svi - torch.zeros(3)).abs().min() > 0.1  # both moved: the comparison is not vacuous
+
+
+# ------------------------------------------------------- LookSAM, ESAM, RST against plain-torch re-implementations
+# Per-example losses l_i = log cosh(x_i . theta - y_i) (non-quadratic, so g_s is not linear in eps), theta split into
+# two tensors (the norms must be global); each method's step written again in plain torch from its paper.
+
+
+def _regression(seed=0, n=12):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 5, generator=g), torch.randn(n, generator=g)
+    theta = torch.randn(5, generator=g)
+    return x, y, [theta[:2].clone().requires_grad_(), theta[2:].clone().requires_grad_()]
+
+
+def _per_example(x, y, theta):
+    return torch.log(torch.cosh(x @ theta - y))
+
+
+def _mean_closure(x, y, params):
+    def closure():
+        loss = _per_example(x, y, torch.cat(params)).mean()
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _subset_closure(x, y, params):
+    def closure(subset):
+        xs, ys = (x, y) if subset is None else (x[subset], y[subset])
+        return _per_example(xs, ys, torch.cat(params))
+
+    return closure
+
+
+def _mean_grad(x, y, theta):
+    theta = theta.detach().requires_grad_()
+    return torch.autograd.grad(_per_example(x, y, theta).mean(), theta)[0]
+
+
+def _hand_sam_grad(x, y, theta, rho, gamma=1.0):
+    """SAM's gradient; with gamma < 1 on ESAM's selection: the floor(gamma n) largest loss increases."""
+    g = _mean_grad(x, y, theta)
+    moved = theta + rho * g / (g.norm() + 1e-12)
+    if gamma == 1:
+        return g, _mean_grad(x, y, moved)
+    increase = _per_example(x, y, moved) - _per_example(x, y, theta)
+    keep = torch.topk(increase, max(1, math.floor(gamma * len(x) + 1e-9))).indices
+    return g, _mean_grad(x[keep], y[keep], moved)
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 3}, {"looksam_k": 2, "looksam_alpha": 2.0}, {"rst_p": 0.5},
+                                     {"esam_gamma": 0.5}, {"esam_gamma": 0.3, "looksam_k": 2}, {"rst_p": 0.0}])
+def test_steps_equal_a_plain_torch_reimplementation(options):
+    x, y, params = _regression(4)
+    lr, rho, steps = 0.1, 0.2, 7
+    gamma, k = options.get("esam_gamma", 1.0), options.get("looksam_k", 1)
+    alpha, p = options.get("looksam_alpha", 0.7), options.get("rst_p", 1.0)
+    theta = torch.cat(params).detach()
+    torch.manual_seed(8)
+    opt = SAM(params, torch.optim.SGD, rho=rho, lr=lr, **options)
+    closure = _subset_closure(x, y, params) if gamma < 1 else _mean_closure(x, y, params)
+    for _ in range(steps):
+        opt.step(closure)
+    torch.manual_seed(8)
+    rng = random.Random(int(torch.randint(2**62, ()))) if p < 1 else None
+    kinds = []
+    for t in range(steps):
+        if k > 1:
+            kind = "sam" if t % k == 0 else "reuse"
+        else:
+            kind = "sam" if rng is None or rng.random() < p else "base"
+        kinds.append(kind)
+        if kind == "sam":
+            g, gs = _hand_sam_grad(x, y, theta, rho, gamma)
+            gv = gs - (g @ gs) / (g @ g + 1e-12) * g
+            step = gs
+        elif kind == "reuse":
+            g = _mean_grad(x, y, theta)
+            step = g + alpha * g.norm() / (gv.norm() + 1e-12) * gv
+        else:
+            step = _mean_grad(x, y, theta)
+        theta = theta - lr * step
+    if 0 < p < 1:
+        assert {"sam", "base"} <= set(kinds)
+    torch.testing.assert_close(torch.cat(params).detach(), theta, atol=1e-12, rtol=0)
+
+
+def test_looksam_with_m_sharpness_decomposes_the_sub_batch_means():
+    x, y, params = _regression(5, n=12)
+    halves = [(x[:6], y[:6]), (x[6:], y[6:])]
+    theta = torch.cat(params).detach()
+    lr, rho = 0.1, 0.15
+    opt = SAM(params, torch.optim.SGD, rho=rho, lr=lr, looksam_k=2)
+    for _ in range(4):
+        opt.step([_mean_closure(xs, ys, params) for xs, ys in halves])
+    for t in range(4):
+        pairs = [_hand_sam_grad(xs, ys, theta, rho) for xs, ys in halves]
+        g = sum(a for a, _ in pairs) / 2
+        if t % 2 == 0:
+            gs = sum(b for _, b in pairs) / 2
+            gv = gs - (g @ gs) / (g @ g + 1e-12) * g
+            step = gs
+        else:
+            step = g + 0.7 * g.norm() / (gv.norm() + 1e-12) * gv
+        theta = theta - lr * step
+    torch.testing.assert_close(torch.cat(params).detach(), theta, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 3}, {"rst_p": 0.5}, {"esam_gamma": 0.5}])
+def test_resumed_cheaper_steps_equal_uninterrupted(options):
+    x, y, init = _regression(6)
+
+    def closure(params):
+        return _subset_closure(x, y, params) if "esam_gamma" in options else _mean_closure(x, y, params)
+
+    torch.manual_seed(2)
+    full = [t.detach().clone().requires_grad_() for t in init]
+    opt = SAM(full, torch.optim.Adam, rho=0.1, lr=0.05, **options)
+    for _ in range(7):
+        opt.step(closure(full))
+    torch.manual_seed(2)
+    half = [t.detach().clone().requires_grad_() for t in init]
+    opt = SAM(half, torch.optim.Adam, rho=0.1, lr=0.05, **options)
+    for _ in range(4):
+        opt.step(closure(half))
+    saved = copy.deepcopy({"opt": opt.state_dict(), "params": [p.detach() for p in half]})
+    torch.manual_seed(99)  # another process: another seed for RST's generator until the state is loaded
+    resumed = [t.clone().requires_grad_() for t in saved["params"]]
+    opt = SAM(resumed, torch.optim.Adam, rho=0.1, lr=0.05, **options)
+    opt.load_state_dict(saved["opt"])
+    for _ in range(3):
+        opt.step(closure(resumed))
+    for p, q in zip(full, resumed, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_defaults_draw_nothing_and_esam_refuses_a_mean_closure():
+    x, y, params = _regression(7)
+    state = torch.get_rng_state()
+    SAM(params, torch.optim.SGD, lr=0.1)
+    assert torch.equal(torch.get_rng_state(), state)  # no RST seed drawn: the random stream is the defaults'
+    opt = SAM(params, torch.optim.SGD, lr=0.1, esam_gamma=0.5)
+    with pytest.raises(ValueError, match="returns one loss per example"):
+        opt.step(lambda subset: _per_example(x, y, torch.cat(params)).mean())
+    with pytest.raises(ValueError, match="`esam_gamma` must be a number in"):
+        SAM(params, torch.optim.SGD, lr=0.1, esam_gamma=0.0)
+    with pytest.raises(ValueError, match="use one of them"):
+        SAM(params, torch.optim.SGD, lr=0.1, looksam_k=5, rst_p=0.5)

@@ -478,3 +478,45 @@ def test_jit_trace_is_refused_clearly():
         JitTrace_ELBO(ignore_jit_warnings=True).loss_and_grads(
             sharpness_aware(regression_model, 0.1), guide, features, targets
         )
+
+
+# ----------------------------------------------------------------------------------------------- LookSAM and RST
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 3}, {"rst_p": 0.5}])
+def test_scheduled_transform_under_trace_elbo_is_the_scheduled_sa_elbo(options):
+    # one particle: the transform advances at every call with gradients, the ELBO once per step -- the same steps
+    from pyro_flat.infer import SharpnessAwareELBO
+
+    features, targets = regression_data()
+    runs = []
+    for transformed in (True, False):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(4)
+        model = sharpness_aware(regression_model, 0.2, **options) if transformed else regression_model
+        loss = Trace_ELBO() if transformed else SharpnessAwareELBO(0.2, **options)
+        guide = AutoNormal(model, init_scale=0.1)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), loss)
+        for _ in range(7):
+            svi.step(features, targets, subsample_size=4)
+        runs.append({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
+    for name in runs[0]:
+        torch.testing.assert_close(runs[0][name], runs[1][name], atol=1e-12, rtol=0)
+
+
+def test_calls_without_gradients_take_the_ascent_and_leave_the_schedule_alone():
+    features, targets = regression_data()
+    transformed = sharpness_aware(regression_model, 0.2, looksam_k=4)
+    guide = AutoDelta(regression_model)
+    guide(features, targets)
+    Predictive(transformed, guide=guide, num_samples=3)(features, targets)
+    with torch.no_grad():
+        trace = poutine.trace(poutine.replay(transformed, poutine.trace(guide).get_trace(features, targets))
+                              ).get_trace(features, targets)
+    assert transformed.schedule.steps == 0
+    plain = sharpness_aware(regression_model, 0.2)
+    with torch.no_grad():
+        pyro.set_rng_seed(0)
+        guide_trace = poutine.trace(guide).get_trace(features, targets)
+        want = poutine.trace(poutine.replay(plain, guide_trace)).get_trace(features, targets)
+    torch.testing.assert_close(factor_value(trace), factor_value(want))  # the SA density: the ascent was taken

@@ -13,11 +13,15 @@ random draw that depends on learned values, ...) runs eagerly after one
 :class:`~pyro_flat.infer.compiled.CompilationFallbackWarning` naming the reason.
 
 ``loss_and_grads`` and ``differentiable_loss`` are compiled; ``loss`` (``SVI.evaluate_loss``) is the eager one, as in
-Pyro.
+Pyro. The compiled SA-ELBOs with LookSAM or RST (``looksam_k``, ``rst_p``) decide each step's kind in Python before
+the step and keep one capture per kind (the ascent, a LookSAM reuse step, an RST step without the ascent), each made
+and compiled the first times its kind comes up; LookSAM's directions are tensors updated in place, which the captures
+read and write like BatchNorm statistics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -70,9 +74,16 @@ class _Jit:
         return torch.as_tensor(loss)
 
     def compiled_loss(self, model: Callable, guide: Callable, *args: Any, **kwargs: Any) -> Tensor:
-        """The loss of one step (a differentiable scalar tensor), evaluated eagerly, captured or compiled."""
+        """The loss of one step (a differentiable scalar tensor), evaluated eagerly, captured or compiled; an objective
+        whose steps come in kinds (``_scheduled_step``, the SA-ELBOs' LookSAM and RST) has one capture per kind."""
+        scheduled = getattr(self, "_scheduled_step", None)
+        with contextlib.nullcontext(()) if scheduled is None else scheduled() as step_key:
+            return self._compiled_loss(model, guide, args, kwargs, step_key)
+
+    def _compiled_loss(self, model: Callable, guide: Callable, args: tuple, kwargs: dict, step_key: tuple) -> Tensor:
         tensors, arg_key = tensor_key((args, kwargs))
-        key = (id(model), id(guide), arg_key, module_key(model, guide), options_key(self), torch.is_grad_enabled())
+        key = (id(model), id(guide), arg_key, module_key(model, guide), options_key(self), torch.is_grad_enabled(),
+               step_key)
         self._programs.setdefault(key, (model, guide))  # holds them, so that their ids stay theirs
         mode = self._compiled.mode(key)
 
@@ -136,7 +147,7 @@ class JitSharpnessAwareELBO(_Jit, SharpnessAwareELBO):
         runs the captured graph without compiling it.
     :type jit_options: dict or None
     :param kwargs: the options of :class:`~pyro_flat.infer.SharpnessAwareELBO` (``adaptive``, ``freeze_batchnorm``,
-        ``distributed``, ``num_particles``, ...).
+        ``distributed``, ``looksam_k``, ``rst_p``, ``num_particles``, ...).
     """
 
 

@@ -25,6 +25,14 @@ Both ELBOs are :class:`~pyro.infer.Trace_ELBO` (resp. :class:`~pyro.infer.TraceM
 which every particle trace (``loss``, ``differentiable_loss``, ``loss_and_grads``, vectorised or not) goes through,
 so the three entry points are one code path and agree.
 
+**Cheaper steps.** LookSAM [4] (``looksam_k``, ``looksam_alpha``) and RST [5] (``rst_p``) take the ascent on some
+steps only (:mod:`pyro_flat.ops.efficient_sam`; the defaults take it at every step). The ELBO decides once per
+step — one call of ``loss_and_grads`` or ``differentiable_loss`` with gradients enabled — for all its particles; on a
+step without the ascent the loss is the plain ELBO's value (:math:`\ell_B(\theta)` in place of
+:math:`\ell_B(\theta')`). ``loss`` (``SVI.evaluate_loss``) always evaluates the SA-ELBO and leaves the schedule
+alone. :meth:`SharpnessAwareELBO.state_dict` holds the schedule (steps taken, RST's random state, LookSAM's
+directions) for an exact resume.
+
 References:
     * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
       Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
@@ -32,15 +40,23 @@ References:
       Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
     * [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
       Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
+    * [4] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
+      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
+    * [5] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
+      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
+import torch
 from pyro.distributions import Delta
 from pyro.poutine import Trace
 
+from ...ops.efficient_sam import DEFAULT_LOOKSAM_ALPHA, SAM_STEP, SharpnessSchedule
 from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
 from ..util import is_latent_site, is_real_support
 from .trace_elbo import TensorTrace_ELBO, TensorTraceMeanField_ELBO
@@ -57,29 +73,72 @@ class _SharpnessAware:
         freeze_batchnorm: bool = True,
         distributed: bool = False,
         process_group: object | None = None,
+        looksam_k: int = 1,
+        looksam_alpha: float = DEFAULT_LOOKSAM_ALPHA,
+        rst_p: float = 1.0,
+        rst_seed: int | None = None,
         **kwargs: object,
     ) -> None:
         self.rho = check_options(rho, adaptive, freeze_batchnorm, distributed)
         self.adaptive, self.freeze_batchnorm = adaptive, freeze_batchnorm
         self.distributed, self.process_group = distributed, process_group
+        self.schedule = SharpnessSchedule(type(self).__name__, looksam_k, looksam_alpha, rst_p, rst_seed)
+        if distributed and self.schedule.active:
+            raise ValueError(f"{type(self).__name__}: LookSAM and RST (looksam_k > 1, rst_p < 1) are not supported "
+                             "with distributed=True")
         self._transformed: tuple[tuple, SharpnessAwareModel] | None = None
+        self._step_kind: str | None = None
         super().__init__(**kwargs)
 
     def _sharpness_aware(self, model: Callable) -> SharpnessAwareModel:
-        """The transformed model, made again when the model or an option changed since the last step."""
+        """The transformed model, made again when the model or an option changed since the last step (LookSAM's
+        directions of another model are then dropped)."""
         key = (model, self.rho, self.adaptive, self.freeze_batchnorm, self.distributed, self.process_group)
         if self._transformed is None or key[0] is not self._transformed[0][0] or key[1:] != self._transformed[0][1:]:
             check_options(self.rho, self.adaptive, self.freeze_batchnorm, self.distributed)
+            if self._transformed is not None and key[0] is not self._transformed[0][0]:
+                self.schedule.directions.clear()
             sa_model = SharpnessAwareModel(
                 model, self.rho, adaptive=self.adaptive, freeze_batchnorm=self.freeze_batchnorm,
-                distributed=self.distributed, process_group=self.process_group,
+                distributed=self.distributed, process_group=self.process_group, schedule=self.schedule,
             )
             self._transformed = (key, sa_model)
         return self._transformed[1]
 
+    @contextlib.contextmanager
+    def _scheduled_step(self) -> Iterator[tuple[str]]:
+        """Decide the kind of this step (advancing the schedule when gradients are on), for every particle trace run
+        inside; yields ``(kind,)`` (a compiled twin keys its captures on it)."""
+        if self._step_kind is not None:  # already decided by an enclosing call
+            yield (self._step_kind,)
+            return
+        active = torch.is_grad_enabled() and self.schedule.active
+        self._step_kind = self.schedule.next_step() if active else SAM_STEP
+        try:
+            yield (self._step_kind,)
+        finally:
+            self._step_kind = None
+
     def _get_traces(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> Iterator[tuple[Trace, Trace]]:
         # the transform sits inside Pyro's particle plate (vectorize_particles), so the norm is per particle
-        return super()._get_traces(self._sharpness_aware(model), guide, args, kwargs)
+        sa_model = self._sharpness_aware(model)
+        with self._scheduled_step() as (kind,), sa_model.step_kind(kind):
+            yield from super()._get_traces(sa_model, guide, args, kwargs)
+
+    def loss(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> float:
+        """The SA-ELBO's loss as a Python float (the ascent taken whatever the schedule, which is left alone)."""
+        previous, self._step_kind = self._step_kind, SAM_STEP
+        try:
+            return super().loss(model, guide, *args, **kwargs)
+        finally:
+            self._step_kind = previous
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule of LookSAM/RST (steps taken, RST's random state, LookSAM's directions)."""
+        return {"schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.schedule.load_state_dict(state["schedule"])
 
     def _get_trace(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple[Trace, Trace]:
         model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
@@ -121,10 +180,17 @@ class SharpnessAwareELBO(_SharpnessAware, TensorTrace_ELBO):
         the ranks before its norm is taken, so every rank perturbs by the ascent of the combined batch; default
         ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
+    :param int looksam_k: LookSAM's period :math:`k\ge1` [4]: the ascent every :math:`k`-th step, the reused
+        direction in between; default 1 (every step; the paper uses 5).
+    :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
+    :param float rst_p: RST's probability :math:`p\in[0,1]` that a step takes the ascent [5]; default 1 (every step;
+        the paper's constant schedule uses 0.5).
+    :param rst_seed: the seed of RST's choices; default ``None``: drawn once from torch's CPU generator here.
     :param kwargs: :class:`~pyro.infer.Trace_ELBO` options (``num_particles``, ``vectorize_particles``,
         ``max_plate_nesting``, ...).
-    :raises ValueError: for a negative, NaN or infinite ``rho``; at the first step, for a model without latent sites,
-        a discrete latent site, or a guide site without ``rsample``.
+    :raises ValueError: for a negative, NaN or infinite ``rho`` or a bad cheaper-step option (LookSAM and RST
+        together, either with ``distributed``); at the first step, for a model without latent sites, a discrete latent
+        site, or a guide site without ``rsample``.
 
     .. note:: A step costs two forward and two backward passes of the network (the SAM floor, 2x ``Trace_ELBO``'s
         network work) plus the tracing of two model runs. The minibatch is the model's own
@@ -160,6 +226,7 @@ class SharpnessAwareMeanFieldELBO(_SharpnessAware, TensorTraceMeanField_ELBO):
     :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05 (see :class:`SharpnessAwareELBO`).
     :param bool adaptive: ASAM scaling; default ``False``.
     :param bool freeze_batchnorm: BatchNorm statistics not updated by the perturbed pass; default ``True``.
+    :param looksam_k, looksam_alpha, rst_p, rst_seed: LookSAM and RST, as for :class:`SharpnessAwareELBO`.
     :param kwargs: :class:`~pyro.infer.TraceMeanField_ELBO` options.
     :raises ValueError: as :class:`SharpnessAwareELBO`, and for a guide site that is a ``Delta`` with a Jacobian.
 

@@ -1,7 +1,9 @@
 """SharpnessAwareELBO / SharpnessAwareMeanFieldELBO: exact algebra against hand-derived formulas (float64, one
 particle, fixed seed: no Monte-Carlo tolerance), the rho = 0 limit, and the entry-point invariants."""
 
+import copy
 import math
+import random
 
 import pyro
 import pyro.distributions as dist
@@ -16,6 +18,7 @@ from torch import nn
 from pyro_flat.infer import NothingToPerturbWarning, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from pyro_flat.nn import BayesianMLP, init_to_network
 from pyro_flat.transforms import sharpness_aware
+from pyro_flat.transforms.sharpness_aware import SharpnessAwareModel
 
 X = torch.tensor([-0.5, 2.0, 0.3, 1.1], dtype=torch.float64)
 
@@ -440,3 +443,258 @@ def test_mean_field_refuses_a_constrained_latent_behind_a_delta():
     y = torch.tensor([0.3, 1.2, 0.8])
     with pytest.raises(ValueError, match="site 's' through a Delta with a Jacobian"):
         SharpnessAwareMeanFieldELBO(0.1).loss(model, AutoNormal(model), y)
+
+
+# ------------------------------------------------------------------------------ LookSAM and RST, against plain torch
+# A linear-Gaussian regression with two latent sites (the norms must be global) and in-model subsampling; the Pyro
+# objective trained with SGD against a hand re-implementation of each paper's step in plain torch, from the same seed
+# (the same minibatches, guide noise and RST choices): float64, no tolerance beyond rounding.
+
+N_DATA, BATCH, LR, RHO = 24, 8, 0.01, 0.3
+
+
+def regression_data():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(N_DATA, 3, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.3 + 0.5 * torch.randn(N_DATA, generator=g)
+    return x, y
+
+
+def regression_model(x, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x), subsample_size=BATCH) as idx:
+        pyro.sample("y", dist.Normal(torch.tanh(x[idx] @ w) + b, 0.5), obs=None if y is None else y[idx])
+
+
+W0, B0 = torch.tensor([0.2, -0.1, 0.4], dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
+
+
+def regression_guide(x, y):  # mean field with constrained (exp) scales
+    for name, loc in (("w", W0), ("b", B0)):
+        scale = pyro.param(f"{name}_scale", torch.full_like(loc, 0.2), constraint=dist.constraints.positive)
+        pyro.sample(name, dist.Normal(pyro.param(f"{name}_loc", loc.clone()), scale).to_event(loc.dim()))
+
+
+def nll(x, y, idx, w, b):
+    return -(N_DATA / BATCH) * dist.Normal(torch.tanh(x[idx] @ w) + b, 0.5).log_prob(y[idx]).sum()
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def hand_kinds(steps, looksam_k=1, rst_p=1.0):
+    """The step kinds of LookSAM / RST, the RST choices from a Python Random seeded from torch's generator."""
+    rng = random.Random(int(torch.randint(2**62, ()))) if rst_p < 1 else None
+    if looksam_k > 1:
+        return ["sam" if t % looksam_k == 0 else "reuse" for t in range(steps)]
+    return ["sam" if rng is None or rng.random() < rst_p else "base" for _ in range(steps)]
+
+
+def hand_likelihood_gradient(kind, x, y, idx, theta, state, alpha=0.7):
+    """The gradient of the likelihood term in (w, b): SAM's, LookSAM's or the plain one, in plain torch."""
+    leaves = [t.detach().requires_grad_() for t in theta]
+    g = torch.autograd.grad(nll(x, y, idx, *leaves), leaves)
+    if kind == "base":
+        return list(g)
+    if kind == "reuse":
+        gv = state["gv"]
+        scale = alpha * flat(g).norm() / (flat(gv).norm() + 1e-12)
+        return [gi + scale * vi for gi, vi in zip(g, gv, strict=True)]
+    gflat = flat(g)
+    moved = [(t + RHO * gi / (gflat.norm() + 1e-12)).detach().requires_grad_() for t, gi in zip(theta, g, strict=True)]
+    gs = torch.autograd.grad(nll(x, y, idx, *moved), moved)
+    coefficient = (gflat @ flat(gs)) / (gflat @ gflat + 1e-12)
+    state["gv"] = [si - coefficient * gi for gi, si in zip(g, gs, strict=True)]
+    return list(gs)
+
+
+def hand_map(steps, kinds):
+    """MAP (AutoDelta) with SGD: the likelihood gradient above plus the N(0, 1) prior's."""
+    x, y = regression_data()
+    theta = [W0.clone(), B0.clone()]
+    state = {}
+    for kind in kinds:
+        idx = torch.randperm(N_DATA)[:BATCH]
+        grads = hand_likelihood_gradient(kind, x, y, idx, theta, state)
+        theta = [t - LR * (gi + t) for t, gi in zip(theta, grads, strict=True)]
+    return theta
+
+
+def pyro_map(steps, seed, **options):
+    """MAP with the SA-ELBO and SGD, from ``seed`` set after the guide's set-up (the hand loops have none)."""
+    x, y = regression_data()
+    pyro.clear_param_store()
+    guide = AutoDelta(regression_model, init_loc_fn=init_to_value(values={"w": W0.clone(), "b": B0.clone()}))
+    guide(x, y)
+    pyro.set_rng_seed(seed)
+    svi = SVI(regression_model, guide, pyro.optim.SGD({"lr": LR}), SharpnessAwareELBO(RHO, **options))
+    for _ in range(steps):
+        svi.step(x, y)
+    median = guide.median()
+    return [median["w"], median["b"]]
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 3}, {"looksam_k": 2, "looksam_alpha": 1.5}, {"rst_p": 0.5},
+                                     {"rst_p": 0.0}, {"looksam_k": 1}, {"rst_p": 1.0}])
+def test_map_steps_equal_a_plain_torch_reimplementation(options):
+    steps = 7
+    ours = pyro_map(steps, 2, **options)
+    pyro.set_rng_seed(2)
+    kinds = hand_kinds(steps, options.get("looksam_k", 1), options.get("rst_p", 1.0))
+    alpha = options.get("looksam_alpha", 0.7)
+    x, y = regression_data()
+    theta, state = [W0.clone(), B0.clone()], {}
+    for kind in kinds:
+        idx = torch.randperm(N_DATA)[:BATCH]
+        grads = hand_likelihood_gradient(kind, x, y, idx, theta, state, alpha)
+        theta = [t - LR * (gi + t) for t, gi in zip(theta, grads, strict=True)]
+    if "rst_p" in options and 0 < options["rst_p"] < 1:
+        assert {"sam", "base"} <= set(kinds)  # both kinds happen in these steps
+    for a, b in zip(ours, theta, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_defaults_are_the_sam_objective_and_leave_the_random_stream_alone():
+    default = pyro_map(4, 6)
+    explicit = pyro_map(4, 6, looksam_k=1, rst_p=1.0)
+    pyro.set_rng_seed(6)
+    by_hand = hand_map(4, ["sam"] * 4)
+    for a, b, c in zip(default, explicit, by_hand, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("looksam_k", [2, 3])
+def test_looksam_mean_field_steps_equal_a_plain_torch_reimplementation(looksam_k):
+    # the LookSAM gradient reaches (loc, log scale) through the reparameterised sample, next to the prior and log q
+    steps = 5
+    x, y = regression_data()
+    pyro.set_rng_seed(9)
+    svi = SVI(regression_model, regression_guide, pyro.optim.SGD({"lr": LR}),
+              SharpnessAwareELBO(RHO, looksam_k=looksam_k))
+    for _ in range(steps):
+        svi.step(x, y)
+    ours = {name: pyro.param(name).detach() for name in ("w_loc", "w_scale", "b_loc", "b_scale")}
+    pyro.set_rng_seed(9)
+    locs = [W0.clone().requires_grad_(), B0.clone().requires_grad_()]
+    logs = [torch.full_like(W0, 0.2).log().requires_grad_(), torch.tensor(0.2).log().requires_grad_()]
+    state = {}
+    for kind in hand_kinds(steps, looksam_k):
+        theta = [torch.distributions.Normal(m, u.exp()).rsample() for m, u in zip(locs, logs, strict=True)]
+        idx = torch.randperm(N_DATA)[:BATCH]
+        lik_grads = hand_likelihood_gradient(kind, x, y, idx, theta, state)
+        loss = sum((gi.detach() * t).sum() for gi, t in zip(lik_grads, theta, strict=True))
+        loss = loss + sum(-torch.distributions.Normal(0.0, 1.0).log_prob(t).sum()
+                          + torch.distributions.Normal(m, u.exp()).log_prob(t).sum()
+                          for t, m, u in zip(theta, locs, logs, strict=True))
+        grads = torch.autograd.grad(loss, locs + logs)
+        with torch.no_grad():
+            for p, gp in zip(locs + logs, grads, strict=True):
+                p -= LR * gp
+    expected = {"w_loc": locs[0], "b_loc": locs[1], "w_scale": logs[0].exp(), "b_scale": logs[1].exp()}
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value.detach(), atol=1e-12, rtol=0)
+
+
+def test_one_kind_per_step_for_every_particle_and_loss_leaves_the_schedule_alone():
+    x, y = regression_data()
+    elbo = SharpnessAwareELBO(RHO, looksam_k=3, num_particles=2)
+    kinds = []
+    original = SharpnessAwareModel.step_kind
+
+    def spy(self, kind):
+        kinds.append(kind)
+        return original(self, kind)
+
+    guide = AutoDelta(regression_model)
+    svi = SVI(regression_model, guide, pyro.optim.SGD({"lr": LR}), elbo)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SharpnessAwareModel, "step_kind", spy)
+        for _ in range(4):
+            svi.step(x, y)
+            svi.evaluate_loss(x, y)
+            elbo.loss(regression_model, guide, x, y)
+    assert elbo.schedule.steps == 4  # two particles per step, and evaluations, advance it once per step
+    assert kinds == ["sam", "sam", "sam", "reuse", "sam", "sam", "reuse", "sam", "sam", "sam", "sam", "sam"]
+
+
+@pytest.mark.parametrize("options", [{"looksam_k": 3}, {"rst_p": 0.4}])
+def test_resumed_training_equals_uninterrupted(options):
+    x, y = regression_data()
+
+    def train(steps, elbo, state=None):
+        guide = AutoDelta(regression_model, init_loc_fn=init_to_value(values={"w": W0.clone(), "b": B0.clone()}))
+        optim = pyro.optim.Adam({"lr": 0.05})
+        svi = SVI(regression_model, guide, optim, elbo)
+        if state is not None:
+            guide(x, y)
+            pyro.get_param_store().set_state(state["params"])
+            optim.set_state(state["optim"])
+            elbo.load_state_dict(state["elbo"])
+            torch.set_rng_state(state["rng"])
+        for _ in range(steps):
+            svi.step(x, y)
+        return {"params": pyro.get_param_store().get_state(), "optim": optim.get_state(),
+                "elbo": copy.deepcopy(elbo.state_dict()), "rng": torch.get_rng_state()}
+
+    pyro.set_rng_seed(1)
+    straight = train(8, SharpnessAwareELBO(RHO, **options))["params"]["params"]
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    half = train(5, SharpnessAwareELBO(RHO, **options))
+    pyro.clear_param_store()
+    torch.manual_seed(123)  # a fresh process: another random state until the checkpoint is loaded
+    resumed = train(3, SharpnessAwareELBO(RHO, **options, rst_seed=0 if "rst_p" in options else None), half)
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed["params"]["params"][name], value, atol=1e-12, rtol=0)
+
+
+def test_looksam_refuses_a_trainable_tensor_pyro_does_not_know_and_outer_conditions():
+    x, y = regression_data()
+    hidden = torch.tensor(0.3, requires_grad=True)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", len(x), subsample_size=BATCH) as idx:
+            pyro.sample("y", dist.Normal(x[idx] @ w + hidden, 0.5), obs=y[idx])
+
+    svi = SVI(model, AutoDelta(model), pyro.optim.SGD({"lr": LR}), SharpnessAwareELBO(RHO, looksam_k=2))
+    with pytest.raises(ValueError, match="neither a latent value nor a Pyro parameter"):
+        svi.step(x, y)
+
+    def learned(x, y):  # the same tensor as a Pyro parameter: trained, with the plain gradient on reuse steps
+        offset = pyro.param("offset", torch.tensor(0.3))
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", len(x), subsample_size=BATCH) as idx:
+            pyro.sample("y", dist.Normal(x[idx] @ w + offset, 0.5), obs=y[idx])
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoDelta(learned)
+    elbo = SharpnessAwareELBO(RHO, looksam_k=2)
+    loss_and_param_grads(elbo, learned, guide, x, y)  # the refresh
+    pyro.set_rng_seed(5)
+    _, grads = loss_and_param_grads(elbo, learned, guide, x, y)  # a reuse step
+    pyro.set_rng_seed(5)
+    _, plain = loss_and_param_grads(Trace_ELBO(), learned, guide, x, y)
+    torch.testing.assert_close(grads["offset"], plain["offset"], atol=1e-12, rtol=0)
+    assert not torch.allclose(grads["AutoDelta.w"], plain["AutoDelta.w"])
+
+    conditioned = pyro.condition(sharpness_aware(regression_model, RHO, looksam_k=2), data={"y": y})
+    with pytest.raises(ValueError, match="conditioned outside the transformed model"):
+        SVI(conditioned, AutoDelta(conditioned), pyro.optim.SGD({"lr": LR}), Trace_ELBO()).step(x, None)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"looksam_k": 0}, "`looksam_k` must be an int >= 1"),
+    ({"looksam_k": 2.0}, "`looksam_k` must be an int >= 1"),
+    ({"looksam_alpha": -0.1}, "`looksam_alpha` must be a number in"),
+    ({"rst_p": 1.5}, "`rst_p` must be a number in"),
+    ({"looksam_k": 2, "rst_p": 0.5}, "use one of them"),
+    ({"rst_p": 0.5, "distributed": True}, "not supported with distributed=True"),
+])
+def test_bad_cheaper_step_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        SharpnessAwareELBO(RHO, **options)
