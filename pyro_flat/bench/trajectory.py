@@ -46,7 +46,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -56,13 +55,14 @@ from torch import Tensor
 
 from ..infer import TensorTrace_ELBO
 from ..infer.autoguide import SWAGCollector
-from ..infer.averaging import HWA, CyclicalLR
+from ..infer.averaging import HWA
 from ..metrics import model_loss_fn
 from ..nn import BayesianClassifier, init_to_network, unpacked_sites
 from ..optim import SAM, BayesianSAM
-from .loop import atomic_save
+from .files import atomic_save
 from .problem import LossModule, OptimSpec, Posterior, Problem, run_svi
 from .registry import register_method
+from .schedules import CosineDecay, CyclicalLR
 
 _FBNN = "Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023), arXiv:2302.02713"
 _SWAG = "Maddox et al., A Simple Baseline for Bayesian Uncertainty in Deep Learning (NeurIPS 2019), arXiv:1902.02476"
@@ -102,7 +102,7 @@ def _run_closure_optimizer(
     """Run a closure-based optimizer over ``problem.num_steps`` minibatches (one checkpointed phase; ``state`` names
     what else it changes), each split into ``num_splits`` sub-batches (m-sharpness), ``make_loss(x, y, N)`` giving
     the loss of a sub-batch; returns every ``log_every``-th loss."""
-    b = problem.batch_size // problem.world_size
+    b = problem.shard_size
     if not (isinstance(num_splits, int) and 1 <= num_splits <= b):
         raise ValueError(f"m_sharpness must be an int in [1, batch size {b}], got {num_splits!r}")
 
@@ -251,9 +251,7 @@ def fit_bsam(problem: Problem) -> Posterior:
         beta2=problem.option("bsam", "beta2", 0.99),
         init_scale=problem.option("bsam", "init_scale", 1.0),
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / problem.num_steps))
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineDecay(problem.num_steps))
     nll = problem.data_parallel(LossModule(
         lambda x, y, n: model_loss_fn(model, x, y, num_data=n)(guide()), guide, model
     ))
