@@ -6,14 +6,14 @@ exit status 2, before any training starts where it can be known then.
 
 Under ``torchrun`` (``WORLD_SIZE`` set, even to 1) ``bench`` and ``recipe`` run data-parallel: one process per device
 (``cuda:LOCAL_RANK`` with NCCL for ``--device cuda``, gloo on CPU), each on its shard of every minibatch; rank 0
-writes the outputs.
+writes the outputs (:mod:`pyro_flat.bench.session`). This module only parses: it turns the flags into the plain
+arguments of :func:`~pyro_flat.bench.session.run_and_report` and :func:`~pyro_flat.bench.recipes.run_recipe`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import os
 import shlex
 import sys
 import textwrap
@@ -24,9 +24,12 @@ from typing import NoReturn
 from .. import __version__
 from ..data import VISION_DATASETS
 from .config import LATENT_CHOICES, PRESETS, RunConfig
-from .loop import OutputFolderError, output_lock
+from .files import OutputFolderError, output_lock
+from .models import MODELS
 from .options import check_option_values
-from .registry import METHODS, MODELS, check_method_options, dataset_names
+from .recipes import RECIPES, run_recipe
+from .registry import METHODS, check_method_options, dataset_names
+from .session import init_distributed, run_and_report, shutdown_distributed
 
 RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
     "model": "model", "epochs": "num_epochs", "batch_size": "batch_size", "lr": "lr", "prior_scale": "prior_scale",
@@ -144,7 +147,6 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> _Parser:
     from . import methods as _methods  # noqa: F401  (fills the registry)
-    from .recipes import RECIPES
 
     parser = _Parser(prog="python -m pyro_flat", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,78 +214,10 @@ def method_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return options
 
 
-def init_distributed(config: RunConfig) -> RunConfig:
-    """Under ``torchrun``: initialise the process group once (NCCL on GPUs, gloo on CPU) and give each rank its
-    device (``cuda:LOCAL_RANK``)."""
-    import torch
-    import torch.distributed as dist
-
-    if "WORLD_SIZE" not in os.environ:  # not launched by torchrun
-        return config
-    cuda = config.device.startswith("cuda")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if not cuda:
-        return config
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    return config.replace(device=f"cuda:{local_rank}")
-
-
-def run_and_report(
-    datasets: Sequence[str],
-    methods: Sequence[str],
-    seeds: int,
-    config: RunConfig,
-    out: Path,
-    args: argparse.Namespace,
-    command: str,
-) -> list:
-    """Run the jobs (checkpointed under ``out/checkpoints`` with ``--checkpoint-every``/``--resume``) and write the
-    table, JSON, per-epoch log and the figures there are data for (rank 0), and say which files were written."""
-    import torch.distributed as dist
-
-    from .loop import atomic_write_text
-    from .problem import world
-    from .report import markdown_table, plot_curves, plot_flat_vs_base, plot_reliability, record_dict, write_json
-    from .runner import run_benchmark
-
-    rank = world()[0]
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    checkpoints = out / "checkpoints" if (args.checkpoint_every or args.resume) else None
-    records = run_benchmark(datasets, methods, list(range(seeds)), config, progress=not args.no_progress,
-                            checkpoint_dir=checkpoints, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                            metrics_log=out / "metrics.jsonl")
-    if dist.is_initialized():
-        dist.barrier()
-    if rank != 0:
-        return records
-    table = markdown_table(records)
-    print(table)
-    atomic_write_text(out / "table.md", f"`{command}`\n\n{table}\n")
-    write_json(out / "results.json", records, config, command)
-    written = ["table.md", "results.json", "metrics.jsonl"]
-    for dataset in datasets:
-        chosen = [r for r in records if r.dataset == dataset]
-        names = (f"reliability_{dataset}.png", f"curves_{dataset}.png", f"flat_vs_base_{dataset}.png")
-        drawn = (plot_reliability(out / names[0], chosen), plot_curves(out / names[1], chosen),
-                 plot_flat_vs_base(out / names[2], [record_dict(r) for r in chosen], dataset))
-        for name, was_drawn in zip(names, drawn, strict=True):
-            if was_drawn:
-                written.append(name)
-            else:  # nothing to draw in this run: no figure of an earlier run in the same folder stays behind
-                (out / name).unlink(missing_ok=True)
-    print(f"wrote {out}/: {', '.join(written)}")
-    return records
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "list":
-        from .recipes import RECIPES
-
         print("methods:")
         for spec in METHODS.values():
             base = f"  (compared with {spec.baseline})" if spec.baseline else ""
@@ -302,10 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = method_options(command_parser, args)
     try:
         if args.command == "recipe":
-            from .recipes import run_recipe
-
             try:
-                run_recipe(args.name, args, config_changes(args), options, command)
+                run_recipe(args.name, preset=args.preset, seeds=args.seeds, out=args.out,
+                           changes=config_changes(args), options=options, command=command,
+                           checkpoint_every=args.checkpoint_every, resume=args.resume,
+                           progress=not args.no_progress)
             except ValueError as err:
                 command_parser.error(str(err))
         else:
@@ -336,11 +271,12 @@ def bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace, opt
     config = init_distributed(config)
     try:
         with output_lock(args.out):  # one run at a time writes to --out
-            run_and_report(args.datasets, methods, args.seeds, config, args.out, args, command)
+            run_and_report(args.datasets, methods, args.seeds, config, args.out, command=command,
+                           checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress)
     except OutputFolderError as err:
         parser.error(str(err))
     finally:
-        _shutdown_distributed()
+        shutdown_distributed()
 
 
 def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -373,12 +309,3 @@ def write_data(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
           f"per class, in the real {args.dataset} format); use it with --data-root {args.root}, e.g. python -m "
           f"pyro_flat bench --datasets {args.dataset} --model resnet18 --width 4 --epochs 1 --data-root {args.root}")
     return 0
-
-
-def _shutdown_distributed() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-

@@ -31,7 +31,7 @@ from ..infer.autoguide import SWAGCollector
 from ..infer.predict import guide_draws
 from ..nn import init_to_network
 from ..nn.transfer import SWAGFrozenSampler
-from .loop import load_checkpoint
+from .files import load_checkpoint
 from .problem import Posterior, Problem, run_svi
 from .registry import register_method
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +9,6 @@ from typing import Any
 import pyro
 import pyro.optim
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -20,16 +18,16 @@ from ..distributed import ddp_elbo
 from ..infer import TensorSVI, TensorTrace_ELBO
 from ..infer.predict import guide_draws, sample_draws
 from ..nn import BayesianClassifier
+from .batches import is_distributed, minibatch_size, shard_size, steps_per_epoch, world
 from .config import RunConfig
-from .loop import LoaderStream, RunContext, TensorStream, TrainingLoop, stream_seed
-from .registry import METHODS, MODELS, lookup
+from .context import RunContext
+from .loop import TrainingLoop
+from .models import MODELS
+from .registry import METHODS, lookup
+from .schedules import CosineDecay
+from .streams import LoaderStream, TensorStream, stream_seed
 
-
-def world() -> tuple[int, int]:
-    """``(rank, world size)`` of the ``torch.distributed`` process group, ``(0, 1)`` without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+__all__ = ["CosineDecay", "LossModule", "OptimSpec", "Posterior", "Problem", "run_svi", "to_device", "world"]
 
 
 @dataclass
@@ -57,17 +55,6 @@ class OptimSpec:
         if self.lr_lambda is None:
             return optimizer, None
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_lambda)
-
-
-class CosineDecay:
-    """The multiplier :math:`\\frac12(1+\\cos(\\pi t/T))` of a cosine decay over ``num_steps`` :math:`T` (a class, so
-    that it pickles)."""
-
-    def __init__(self, num_steps: int) -> None:
-        self.num_steps = max(1, num_steps)
-
-    def __call__(self, step: int) -> float:
-        return 0.5 * (1 + math.cos(math.pi * min(step, self.num_steps) / self.num_steps))
 
 
 class LossModule(nn.Module):
@@ -105,7 +92,7 @@ class Problem:
     def distributed(self) -> bool:
         """Whether the run is data-parallel (a ``torch.distributed`` process group exists, e.g. under ``torchrun``,
         even with one process): minibatches are then sharded and the losses wrapped in DDP."""
-        return dist.is_available() and dist.is_initialized()
+        return is_distributed()
 
     @property
     def uses_loader(self) -> bool:
@@ -114,14 +101,18 @@ class Problem:
 
     @property
     def batch_size(self) -> int:
-        return min(self.config.batch_size, self.data.num_data)
+        """The global minibatch :math:`B` (:func:`~pyro_flat.bench.batches.minibatch_size`)."""
+        return minibatch_size(self.config.batch_size, self.data.num_data)
+
+    @property
+    def shard_size(self) -> int:
+        """This rank's share of the global minibatch (all of it in one process)."""
+        return shard_size(self.batch_size, self.world_size)
 
     @property
     def steps_per_epoch(self) -> int:
         """Minibatches per pass over the training set (the last incomplete one is dropped when data-parallel)."""
-        if self.distributed:
-            return self.data.num_data // self.batch_size
-        return math.ceil(self.data.num_data / self.batch_size)
+        return steps_per_epoch(self.data.num_data, self.batch_size, drop_last=self.distributed)
 
     @property
     def num_steps(self) -> int:
@@ -148,16 +139,22 @@ class Problem:
 
     def optim_spec(self, num_steps: int | None = None, *, mean_loss: bool = False) -> OptimSpec:
         """The run's optimizer (``config.optimizer``, ``lr``, ``momentum``, ``lr_schedule``) for a phase of
-        ``num_steps`` (default ``num_steps``) steps. SGD's learning rate is ``lr / N`` on Pyro's full-data loss,
-        ``lr`` on a mean loss (``mean_loss=True``); Adam's is ``lr`` either way."""
+        ``num_steps`` (default ``num_steps``) steps. SGD's learning rate is ``lr / N`` on Pyro's full-data loss
+        (:meth:`full_data_lr`), ``lr`` on a mean loss (``mean_loss=True``); Adam's is ``lr`` either way."""
         config = self.config
         if config.optimizer == "sgd":
-            lr = config.lr if mean_loss else config.lr / self.data.num_data
+            lr = config.lr if mean_loss else self.full_data_lr(config.lr)
             cls, args = torch.optim.SGD, {"lr": lr, "momentum": config.momentum}
         else:
             cls, args = torch.optim.Adam, {"lr": config.lr}
         steps = self.num_steps if num_steps is None else num_steps
         return OptimSpec(cls, args, CosineDecay(steps) if config.lr_schedule == "cosine" else None)
+
+    def full_data_lr(self, lr: float) -> float:
+        r"""The step :math:`\alpha/N` on a full-data loss (Pyro's :math:`-\log p(\theta, \mathcal D)`, a sum over
+        the :math:`N` training examples, or an SG-MCMC potential) that equals the learning rate :math:`\alpha` =
+        ``lr`` on the mean loss, as the papers quote it."""
+        return lr / self.data.num_data
 
     def stream(self, phase: int, *, explicit: bool = False) -> TensorStream | LoaderStream:
         """The minibatch stream of training phase ``phase`` (see :mod:`pyro_flat.bench.loop`): ``explicit`` asks for
@@ -183,8 +180,9 @@ class Problem:
     ) -> TrainingLoop:
         """A checkpointed training phase of ``num_steps`` steps over this problem's minibatches (see
         :class:`~pyro_flat.bench.loop.TrainingLoop`); ``state`` names everything the phase changes."""
-        return TrainingLoop(self, num_steps, state, lambda phase: self.stream(phase, explicit=explicit),
-                            prepare=prepare, log_every=log_every, name=name)
+        return TrainingLoop(self.context, num_steps, state, lambda phase: self.stream(phase, explicit=explicit),
+                            steps_per_epoch=self.steps_per_epoch, device=self.data.device, prepare=prepare,
+                            log_every=log_every, name=name)
 
     def setup_args(self) -> tuple[tuple[Tensor, Tensor], dict[str, int]]:
         """The model's arguments to set a kernel up with: the whole training set with ``subsample_size=B`` for tensor
@@ -196,7 +194,7 @@ class Problem:
     def first_batch(self) -> tuple[tuple[Tensor, Tensor], dict[str, int]]:
         """A small fixed batch (this rank's shard size of the first examples, ``num_data=N``) to create a guide's
         parameters before training; draws no random number for the data."""
-        shard = self.batch_size // self.world_size
+        shard = self.shard_size
         return (self.data.x_train[:shard], self.data.y_train[:shard]), {"num_data": self.data.num_data}
 
     def data_parallel(self, module: nn.Module) -> nn.Module:

@@ -13,7 +13,6 @@ A figure that could not be checked against its source is marked as such, never f
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Mapping
@@ -22,9 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ..data import check_vision_files
+from .batches import world
 from .config import RunConfig
+from .files import atomic_write_text, output_lock
 from .options import check_option_values
 from .registry import check_method_options
+from .report import summarise
+from .session import init_distributed, run_and_report, shutdown_distributed
 
 __all__ = ["RECIPES", "PaperRow", "Recipe", "Stage", "run_recipe"]
 
@@ -407,20 +410,36 @@ def recipe_table(
 
 
 def run_recipe(
-    name: str, args: argparse.Namespace, changes: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]],
+    name: str,
+    *,
+    preset: str,
+    out: Path,
     command: str,
+    seeds: int | None = None,
+    changes: Mapping[str, Any] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    progress: bool = True,
 ) -> None:
-    """Run every stage of recipe ``name`` (the ``recipe`` command) and write ``OUT/table.md``."""
-    from .cli import _shutdown_distributed, init_distributed, run_and_report
-    from .loop import atomic_write_text, output_lock
-    from .problem import world
-    from .report import summarise
+    """Run every stage of recipe ``name`` (the ``recipe`` command) and write ``OUT/table.md`` and ``OUT/recipe.json``.
 
+    :param preset: ``"paper"`` (the paper's budget) or ``"smoke"`` (tiny networks, a few steps).
+    :param out: the output folder (each stage's outputs in ``out/<stage>/``).
+    :param command: the command line that started the run, written with the results.
+    :param seeds: the number of seeds (default: the recipe's; 1 with ``smoke``).
+    :param changes: ``RunConfig`` fields that override every stage's (``data_root`` is required).
+    :param options: per-method options that override the stages' (``{method: {key: value}}``).
+    :param checkpoint_every: as :func:`~pyro_flat.bench.session.run_and_report`, per stage.
+    :param resume: as :func:`~pyro_flat.bench.session.run_and_report`, per stage.
+    :param progress: show progress bars.
+    :raises ValueError: as :func:`check_recipe`, before the first stage starts.
+    """
     recipe = RECIPES[name]
-    changes = dict(changes)
-    seeds = args.seeds or (1 if args.preset == "smoke" else recipe.seeds)
-    out: Path = args.out
-    setups = check_recipe(recipe, args.preset, changes, options, out)
+    changes = dict(changes or {})
+    options = dict(options or {})
+    seeds = seeds or (1 if preset == "smoke" else recipe.seeds)
+    setups = check_recipe(recipe, preset, changes, options, out)
     summaries: dict[str, list[dict]] = {}
     configs: dict[str, RunConfig] = {}
     try:
@@ -428,18 +447,19 @@ def run_recipe(
         with output_lock(out):  # one run at a time writes to `out` (and its stages' folders)
             for stage, (config, methods) in zip(recipe.stages, setups, strict=True):
                 configs[stage.name] = config
-                records = run_and_report(stage.datasets, methods, seeds, config, out / stage.name, args,
-                                         f"{command}  [stage {stage.name}]")
+                records = run_and_report(stage.datasets, methods, seeds, config, out / stage.name,
+                                         command=f"{command}  [stage {stage.name}]",
+                                         checkpoint_every=checkpoint_every, resume=resume, progress=progress)
                 summaries[stage.name] = summarise(records) if records else []
             if world()[0] == 0:
                 table = recipe_table(recipe, summaries, configs)
                 print(table)
                 atomic_write_text(out / "table.md", f"`{command}`\n\n{table}")
                 atomic_write_text(out / "recipe.json", json.dumps(
-                    {"recipe": name, "command": command, "preset": args.preset, "seeds": seeds,
+                    {"recipe": name, "command": command, "preset": preset, "seeds": seeds,
                      "paper": [vars(p) for p in recipe.paper], "ours": summaries}, indent=1))
     finally:
-        _shutdown_distributed()
+        shutdown_distributed()
 
 
 def check_recipe(

@@ -14,7 +14,7 @@ import torch
 
 from ..data import ClassificationData
 from .config import RunConfig
-from .loop import atomic_write_text
+from .files import atomic_write_text
 from .registry import METHODS
 from .runner import RunRecord
 

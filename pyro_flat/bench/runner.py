@@ -20,18 +20,12 @@ from ..infer.predict import bma_predict
 from ..metrics import evaluate, hessian_eigenvalues, model_loss_fn
 from ..nn import has_batchnorm, refresh_batchnorm
 from . import methods as _methods  # noqa: F401  (registers every method)
+from .batches import world
 from .config import RunConfig
-from .loop import (
-    OutputFolderError,
-    RunContext,
-    atomic_save,
-    check_fingerprint,
-    load_checkpoint,
-    metrics_log_writer,
-    output_lock,
-)
+from .context import RunContext, check_fingerprint
+from .files import OutputFolderError, atomic_save, load_checkpoint, metrics_log_writer, output_lock
 from .options import check_option_values
-from .problem import Posterior, Problem, to_device, world
+from .problem import Posterior, Problem, to_device
 from .registry import METHODS, check_method_options, dataset_names, load_data, lookup
 
 
@@ -162,7 +156,7 @@ def run_benchmark(
 
     :param checkpoint_dir: a folder of per-job checkpoints (``<dataset>__<method>__seed<s>/``: the rolling checkpoint,
         each training phase's final state, collected draws, and the job's record once it is done). One run at a time
-        writes there (:func:`~pyro_flat.bench.loop.output_lock`; stale temporary files are removed), and a run
+        writes there (:func:`~pyro_flat.bench.files.output_lock`; stale temporary files are removed), and a run
         without ``resume`` refuses to start over checkpoints of an earlier one.
     :param checkpoint_every: steps between checkpoints (0: only at the end of every training phase).
     :param resume: continue a killed run from ``checkpoint_dir``: finished jobs are read back after checking that

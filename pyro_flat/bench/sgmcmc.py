@@ -51,13 +51,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..infer.mcmc import SGLD, CyclicalStepSize, EntropyMCMC, StochasticGradientKernel
+from ..infer.mcmc import SGLD, EntropyMCMC, StochasticGradientKernel
 from ..nn import init_to_network
 from ..transforms import local_entropy_draws, sharpness_aware
 from .flat_seeking import cheaper_step_options
-from .loop import DrawStore, Holder
 from .problem import Posterior, Problem
 from .registry import register_method
+from .schedules import CyclicalStepSize
+from .state import DrawStore, Holder
 
 __all__ = ["run_sgmcmc", "fit_sgld", "fit_f_sgld", "fit_csgld", "fit_emcmc"]
 
@@ -154,7 +155,7 @@ def _constant_sgld(problem: Problem, method: str, rho: float | None) -> Posterio
     draws = problem.config.num_bma_samples
     warmup, thinning = _constant_plan(problem, method, draws)
     temperature = float(problem.option(method, "temperature", 0.1))
-    kernel = SGLD(target, step_size=lr / problem.data.num_data, temperature=temperature,
+    kernel = SGLD(target, step_size=problem.full_data_lr(lr), temperature=temperature,
                   init_strategy=init_to_network(model), thinning=thinning, jit_compile=problem.config.compile)
     samples = run_sgmcmc(problem, kernel, draws, warmup, model=model, state=state)
     info = {"warmup_steps": warmup, "thinning": thinning} | ({} if rho is None else {"rho": rho})
@@ -198,7 +199,7 @@ def fit_csgld(problem: Problem) -> Posterior:
     per_cycle = math.ceil(draws / cycles)
     cycle_length = problem.num_steps // cycles
     schedule = CyclicalStepSize(
-        lr / problem.data.num_data,
+        problem.full_data_lr(lr),
         cycle_length,
         exploration_fraction=float(problem.option("csgld", "exploration", 0.8)),
         samples_per_cycle=per_cycle,
@@ -225,10 +226,10 @@ def fit_emcmc(problem: Problem) -> Posterior:
     cycles = problem.option("emcmc", "cycles", None)
     if cycles is None:  # constant step size, sgld's plan
         warmup, thinning = _constant_plan(problem, "emcmc", kept)
-        step_size, info = lr / problem.data.num_data, {"warmup_steps": warmup, "thinning": thinning}
+        step_size, info = problem.full_data_lr(lr), {"warmup_steps": warmup, "thinning": thinning}
     else:  # the authors' CIFAR schedule: cyclical cosine, draws at the end of every cycle
         per_cycle = math.ceil(kept / int(cycles))
-        step_size = CyclicalStepSize(lr / problem.data.num_data, problem.num_steps // int(cycles),
+        step_size = CyclicalStepSize(problem.full_data_lr(lr), problem.num_steps // int(cycles),
                                      exploration_fraction=float(problem.option("emcmc", "exploration", 0.0)),
                                      samples_per_cycle=per_cycle)
         warmup, thinning, kept = 0, 1, per_cycle * int(cycles)

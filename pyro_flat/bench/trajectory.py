@@ -49,7 +49,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,13 +59,14 @@ from torch import Tensor
 
 from ..infer import TensorTrace_ELBO
 from ..infer.autoguide import SWAGCollector
-from ..infer.averaging import HWA, CyclicalLR
+from ..infer.averaging import HWA
 from ..metrics import model_loss_fn
 from ..nn import BayesianClassifier, init_to_network, unpacked_sites
 from ..optim import SAM, BayesianSAM
-from .loop import atomic_save
+from .files import atomic_save
 from .problem import LossModule, OptimSpec, Posterior, Problem, run_svi
 from .registry import register_method
+from .schedules import CosineDecay, CyclicalLR
 
 CHEAPER_STEPS = ("looksam_k", "looksam_alpha", "rst_p", "esam_gamma")
 """The options of the cheaper sharpness-aware steps (:mod:`pyro_flat.ops.efficient_sam`)."""
@@ -109,7 +109,7 @@ def _run_closure_optimizer(
     what else it changes), each split into ``num_splits`` sub-batches (m-sharpness), ``make_loss(x, y, N)`` giving
     the loss of a sub-batch (ESAM's per-example closure when the optimizer's ``esam_gamma`` is below 1); returns every
     ``log_every``-th loss."""
-    b = problem.batch_size // problem.world_size
+    b = problem.shard_size
     if not (isinstance(num_splits, int) and 1 <= num_splits <= b):
         raise ValueError(f"m_sharpness must be an int in [1, batch size {b}], got {num_splits!r}")
 
@@ -299,9 +299,7 @@ def fit_bsam(problem: Problem) -> Posterior:
         init_scale=problem.option("bsam", "init_scale", 1.0),
         **_cheaper_steps(problem, "bsam"),
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / problem.num_steps))
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineDecay(problem.num_steps))
     if optimizer.esam_gamma < 1:
         make_loss = _per_example_loss(problem, model, guide, prior=False)
     else:
