@@ -192,9 +192,8 @@ class SharpnessAwareELBO(_SharpnessAware, TensorTrace_ELBO):
         together, either with ``distributed``); at the first step, for a model without latent sites, a discrete latent
         site, or a guide site without ``rsample``.
 
-    .. note:: A step costs two forward and two backward passes of the network (the SAM floor, 2x ``Trace_ELBO``'s
-        network work) plus the tracing of two model runs. The minibatch is the model's own
-        (``pyro.plate(..., subsample_size=B)`` or ``num_data``); the ascent direction uses the same minibatch.
+    .. note:: A step costs two forward and two backward passes of the network (the SAM floor) plus the tracing of
+        two model runs; the ascent uses the model's own minibatch (``pyro.plate(..., subsample_size=B)``).
 
     .. warning:: The SA-ELBO is not a bound on the log evidence of the original model; it is the (one-step SAM)
         ELBO of the sharpness-aware posterior, whose likelihood term is at the worst case in a ρ-ball.
