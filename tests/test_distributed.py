@@ -236,6 +236,7 @@ def test_distributed_option_needs_a_process_group():
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_torchrun_example_trains_on_two_gloo_ranks():
     # the README's torchrun recipe, run as a user would (2 processes on CPU: gloo)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -249,6 +250,7 @@ def test_the_torchrun_example_trains_on_two_gloo_ranks():
     assert match and float(match.group(1)) > 0.5  # 20 steps of F-VI on digits: well above chance (0.1)
 
 
+@pytest.mark.slow
 def test_the_ddp_benchmark_runs_and_reports_equal_parameters(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # importable by name: its ranks are spawned processes
     module = importlib.import_module("ddp")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,7 @@ def test_flat_vs_base_table_is_the_rendering_of_the_results(script):
     assert block.count("\n|") >= 10  # one row per pair and data set
 
 
+@pytest.mark.slow
 def test_main_job_then_the_docs_tests_in_one_checkout(tmp_path):
     """The README's two commands in either order: the main job (its own command, at a smoke size: two methods, one
     epoch) writes results/quick into a copy of this checkout, beside a run of one's own in results/mine (the quick

@@ -94,6 +94,7 @@ def test_committed_with_the_outputs_of_one_run(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_notebook_runs_at_smoke_size(path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one torch thread in the kernel, as in the test workers

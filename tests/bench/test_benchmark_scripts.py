@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("trajectory_paired.py", [str(ROOT / "results" / "trajectory" / "results.json")], "Paired differences"),
     ],
 )
+@pytest.mark.slow
 def test_benchmark_script_runs(script, args, expected, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(ROOT / "benchmarks" / script), *(a.format(tmp=tmp_path) for a in args)]

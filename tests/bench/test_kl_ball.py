@@ -40,6 +40,7 @@ def test_sa_bma_learns_digits(method):
     assert record.info["radius"] == 1.0
 
 
+@pytest.mark.slow
 def test_transfer_script_smoke(tmp_path):
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "sa_bma_transfer.py"
     spec = importlib.util.spec_from_file_location("sa_bma_transfer", path)

@@ -35,6 +35,7 @@ def imagenet_weights(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.slow
 def test_every_recipe_runs_end_to_end(name, cifar, imagenet_weights, tmp_path, capsys):
     out = tmp_path / name
     argv = ["recipe", name, "--preset", "smoke", "--data-root", str(cifar), "--out", str(out), "--no-progress"]

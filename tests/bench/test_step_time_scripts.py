@@ -34,6 +34,7 @@ def test_step_time_script_runs_and_writes_its_table(name, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")  # Pyro's JitTrace_ELBO
+@pytest.mark.slow
 def test_compiled_step_time_script_runs_and_writes_its_table(tmp_path):
     """benchmarks/compiled.py at a tiny size, its compiled variants as captured graphs (no compilation time)."""
     spec = importlib.util.spec_from_file_location("compiled", BENCHMARKS / "compiled.py")
@@ -67,6 +68,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.slow
 def test_packed_steps_cost_at_most_the_goal_in_operations_and_make_no_host_read():
     """The CPU proxies of the GPU goals (benchmarks/step_ops.py) on ResNet-18 width 4: a packed Pyro step dispatches
     at most 1.5x the ATen operations of the cheaper hand-written torch step doing the same arithmetic (2x for the KL
@@ -103,6 +105,7 @@ def test_mlp_steps_make_no_host_read_and_match_the_hand_written_steps():
         assert all(row[k] < 1e-4 for k in ("check per tensor", "check packed") if k in row), row
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_every_part_on_a_cpu(tmp_path):
     """benchmarks/gpu_check.py at toy size on the CPU: the CUDA tests (skipped here), the step table, the harness."""
     gpu_check = _load("gpu_check")

@@ -133,6 +133,7 @@ def test_compiled_kernel_pickles_without_its_graphs(mlp_sgld_runs):
     assert clone.jit_compile and not clone._compiled.entries and kernel._compiled.entries
 
 
+@pytest.mark.slow
 def test_aot_eager_kl_ball_on_a_batchnorm_cnn_and_the_elbo_module_path():
     """KLBallELBO on a BayesianCNN with BatchNorm and dropout through torch.compile's aot_eager backend (the BatchNorm
     updates functionalised, the Fisher step in the graph), trained by a torch optimiser on Pyro's ELBOModule
