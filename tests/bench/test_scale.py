@@ -199,6 +199,7 @@ def _two_ranks_and_one(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
     return two, one
 
 
+@pytest.mark.slow
 def test_every_svi_method_runs_data_parallel_under_torchrun(tmp_path):
     from pyro_flat.bench import METHODS
 
