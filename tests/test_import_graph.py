@@ -1,9 +1,10 @@
 """The package's import arrows, read with ``ast`` from its files: every ``import`` and ``from ... import`` anywhere in a
 file (inside functions and under ``TYPE_CHECKING`` too), resolved to the pyro_flat module it names.
 
-* Between the package's parts (its subpackages and top-level modules, the *units*), only the arrows of
-  :data:`ALLOWED` exist: the harness (``bench``, and ``__main__``, the command line) may import the library, no
-  library unit may import the harness.
+* The package's parts (its subpackages and top-level modules, the *units*) stand in the layers of :data:`LAYERS`, and
+  a unit imports only units of lower layers: no arrow sideways or upwards, so no circle between units. The runtime
+  layer (replay, random states, BatchNorm, capture) is under everything that uses it; the harness (``bench``, and
+  ``__main__``, the command line) is on top, and no library unit imports it.
 * Inside the harness, no module imports itself back through others: its modules' graph has no circle.
 """
 
@@ -64,10 +65,23 @@ UNITS = frozenset(unit(module) for module in MODULES)
 HARNESS = frozenset({"bench", "__main__"})
 LIBRARY = UNITS - HARNESS
 
+LAYERS: list[frozenset[str]] = [
+    frozenset({"_validation"}),
+    frozenset({"ops", "runtime"}),  # pure tensor maths; running Pyro programs again, random states, capture
+    frozenset({"distributed"}),
+    frozenset({"data", "nn", "metrics", "testing", "transforms"}),
+    frozenset({"infer"}),  # objectives, kernels, guides: on the model transforms, networks and metrics
+    frozenset({"optim"}),  # closure optimizers (bSAM's posterior is an infer guide)
+    frozenset({"__init__"}),
+    frozenset({"bench"}),
+    frozenset({"__main__"}),
+]
+"""The units, lowest first: a unit may import the units of the layers below its own."""
+
+LAYER = {name: level for level, layer in enumerate(LAYERS) for name in layer}
+
 ALLOWED: Mapping[str, frozenset[str]] = {
-    **{name: LIBRARY for name in LIBRARY},  # the library's own layers: narrowed unit by unit by a later change
-    "bench": UNITS,
-    "__main__": UNITS,
+    name: frozenset(other for other in UNITS if LAYER[other] < LAYER[name]) for name in LAYER
 }
 """The units each unit may import (besides itself)."""
 
@@ -116,9 +130,22 @@ def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_table_places_every_part_of_the_package():
-    assert set(ALLOWED) == UNITS
-    assert {"bench", "infer", "transforms", "optim", "ops", "nn"} <= UNITS
+def test_the_layers_place_every_part_of_the_package_once():
+    assert sorted(LAYER) == sorted(UNITS) and sum(map(len, LAYERS)) == len(UNITS)
+    assert {"bench", "infer", "transforms", "optim", "ops", "nn", "runtime"} <= UNITS
+
+
+def test_the_runtime_layer_is_under_transforms_infer_optim_and_bench():
+    assert all(LAYER["runtime"] < LAYER[name] for name in ("transforms", "infer", "optim", "bench"))
+    used_by = {unit(module) for module in MODULES for target, _ in imports(module) if unit(target) == "runtime"}
+    assert {"transforms", "infer", "optim", "bench"} <= used_by
+
+
+def test_no_circle_between_the_parts_of_the_package():
+    graph = {name: set() for name in UNITS}
+    for module in MODULES:
+        graph[unit(module)] |= {unit(target) for target, _ in imports(module)} - {unit(module)}
+    assert circles(graph) == []
 
 
 def test_no_part_of_the_package_imports_against_the_table():
@@ -133,10 +160,13 @@ def test_the_library_never_imports_the_harness():
 
 def test_the_checks_see_a_forbidden_arrow_and_a_circle():
     """The checks themselves: a table that forbids the harness the library reports its imports (with file and
-    line), and a made-up circle is found."""
+    line), a table that puts transforms under the runtime layer reports their imports of it, and a made-up circle
+    is found."""
     strict = {**ALLOWED, "bench": frozenset({"__init__"})}
     reported = forbidden_arrows(strict)
     assert any(line.startswith("pyro_flat/bench/problem.py:") and "bench -> infer" in line for line in reported)
+    upside_down = {**ALLOWED, "transforms": ALLOWED["transforms"] - {"runtime"}}
+    assert any("transforms -> runtime (pyro_flat.runtime.replay)" in line for line in forbidden_arrows(upside_down))
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"a"}}) == [["a"]] and circles({"a": {"b"}, "b": set()}) == []
 

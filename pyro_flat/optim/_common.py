@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..infer.replay import RunRecorder
+from ..runtime.replay import RunRecorder
 
 Closure = Callable[[], Tensor | None]
 """A closure: evaluates the (mean) minibatch loss at the current parameters and calls ``backward()`` on it."""

@@ -67,8 +67,8 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor
 from torch.distributions import biject_to, constraints
 
-from ..infer.util import is_latent_site
 from ..ops.diffusions import coupling_potential
+from ..runtime.sites import is_latent_site
 from ._outer import hidden_outside, outer_conditions
 
 __all__ = [

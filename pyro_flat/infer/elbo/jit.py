@@ -34,7 +34,7 @@ from pyro.poutine.runtime import _PYRO_STACK, effectful
 from pyro.util import warn_if_nan
 from torch import Tensor
 
-from ..compiled import CompiledCalls, module_key, options_key, tensor_key
+from ...runtime.compiled_calls import CompiledCalls, module_key, options_key, tensor_key
 from .kl_ball import KLBallELBO
 from .sharpness_aware import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from .trace_elbo import TensorTrace_ELBO

@@ -54,9 +54,9 @@ from ...ops.fisher import (
     normalized_score_step,
 )
 from ...ops.sam import check_radius
+from ...runtime.replay import RunRecorder, substituted_tensors
+from ...runtime.sites import warn_nothing_to_perturb
 from ...transforms.sharpness_aware import is_likelihood_site
-from ..replay import RunRecorder, substituted_tensors
-from ..util import warn_nothing_to_perturb
 from .trace_elbo import TensorTrace_ELBO
 
 __all__ = ["KLBallELBO"]

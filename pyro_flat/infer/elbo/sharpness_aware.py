@@ -57,8 +57,8 @@ from pyro.distributions import Delta
 from pyro.poutine import Trace
 
 from ...ops.efficient_sam import DEFAULT_LOOKSAM_ALPHA, SAM_STEP, SharpnessSchedule
+from ...runtime.sites import is_latent_site, is_real_support
 from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
-from ..util import is_latent_site, is_real_support
 from .trace_elbo import TensorTrace_ELBO, TensorTraceMeanField_ELBO
 
 
