@@ -66,7 +66,7 @@ HARNESS = frozenset({"bench", "__main__"})
 LIBRARY = UNITS - HARNESS
 
 LAYERS: list[frozenset[str]] = [
-    frozenset({"_validation"}),
+    frozenset({"_validation", "_internals"}),  # argument checks; the one door to Pyro's and torch's private APIs
     frozenset({"ops", "runtime"}),  # pure tensor maths; running Pyro programs again, random states, capture
     frozenset({"distributed"}),
     frozenset({"data", "nn", "metrics", "testing", "transforms"}),

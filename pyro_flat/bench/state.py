@@ -12,6 +12,7 @@ import pyro.optim
 import torch
 from torch import Tensor
 
+from .._internals import optimizer_states_not_consumed
 from .._validation import all_true
 from ..runtime.rng import random_state, set_random_state  # the harness's random states, saved with a checkpoint
 from .files import atomic_save, load_checkpoint
@@ -33,7 +34,7 @@ def get_state(obj: object) -> object:
     used yet."""
     if isinstance(obj, pyro.optim.PyroOptim):
         # states loaded but not yet consumed (no step since the resume) are part of the state
-        return {**getattr(obj, "_state_waiting_to_be_consumed", {}), **obj.get_state()}
+        return {**optimizer_states_not_consumed(obj), **obj.get_state()}
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
     raise TypeError(f"cannot checkpoint a {type(obj).__name__}: it has no state_dict()")

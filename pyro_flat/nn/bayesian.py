@@ -33,11 +33,13 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
+from .._internals import BatchNormBase, InstanceNormBase
+
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._BatchNorm,
+    BatchNormBase,
     nn.GroupNorm,
     nn.LayerNorm,
-    nn.modules.instancenorm._InstanceNorm,
+    InstanceNormBase,
 )
 """Module types treated as normalisation layers by ``random="norm_and_head"``."""
 

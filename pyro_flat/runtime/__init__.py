@@ -1,9 +1,9 @@
 """The runtime layer under the library: running Pyro programs again exactly (replay), random states, BatchNorm
 layers, the site predicates every method shares, and capturing a step as a compiled tensor function.
 
-It imports none of pyro_flat's other parts (``tests/test_import_graph.py`` checks it), so ``transforms``, ``infer``,
-``optim`` and the harness all build on it. Its private uses of Pyro and torch go through
-:mod:`pyro_flat.runtime._internals`.
+It imports none of pyro_flat's other parts but ``pyro_flat._internals``, the one door to Pyro's and torch's private
+APIs (``tests/test_import_graph.py`` checks it), so ``transforms``, ``infer``, ``optim`` and the harness all build
+on it.
 """
 
 from . import batchnorm, capture, compiled_calls, replay, rng, sites

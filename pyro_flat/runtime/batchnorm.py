@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ._internals import BatchNormBase
+from .._internals import BatchNormBase
 
 __all__ = ["batchnorm_statistics_frozen", "has_batchnorm", "is_batchnorm"]
 

@@ -54,9 +54,8 @@ from torch import Tensor
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._internals import OpOverload, TorchDispatchMode, op_schema, pytree
 from .rng import cuda_devices, set_torch_random_state, torch_random_state
 
 __all__ = ["CaptureError", "CapturedFunction", "CompilationFallbackWarning", "capture", "is_capturing"]
@@ -117,10 +116,10 @@ _UNDECLARED_WRITES = {  # operations that update BatchNorm running statistics wi
 }
 
 
-def _written_arguments(func: torch._ops.OpOverload) -> list[int | str]:
+def _written_arguments(func: OpOverload) -> list[int | str]:
     """Positions (or names, for keyword-only ``out=``) of the arguments an operation writes to."""
     out: list[int | str] = list(_UNDECLARED_WRITES.get(func, ()))
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(op_schema(func).arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             out.append(arg.name if arg.kwarg_only else i)
     return out
@@ -134,7 +133,7 @@ class _Draw:
     """One random draw of a captured step, repeated outside the graph before each evaluation: the same operation on
     tensors of the same metadata, from the same generator, gives the same numbers as in the eager step."""
 
-    def __init__(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    def __init__(self, func: OpOverload, args: tuple, kwargs: dict) -> None:
         self.func = func
         self.written = _written_arguments(func)
 
@@ -383,10 +382,10 @@ class _HostCopies(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _returns_host_value(func: torch._ops.OpOverload) -> bool:
+def _returns_host_value(func: OpOverload) -> bool:
     """Whether an operation returns Python values (``_local_scalar_dense`` behind ``.item()`` and ``bool()``,
     ``equal``, ...) rather than tensors."""
-    returns = func._schema.returns
+    returns = op_schema(func).returns
     return bool(returns) and not any("Tensor" in str(r.type) for r in returns)
 
 
@@ -418,7 +417,7 @@ def _check_graph(graph: GraphModule, host_reads: list[str]) -> None:
         if any(arg in dependent for arg in node.all_input_nodes):
             dependent.add(node)
         target = node.target
-        if isinstance(target, torch._ops.OpOverload):
+        if isinstance(target, OpOverload):
             if _returns_host_value(target):
                 where = next(reads, "an unknown place")
                 if node in dependent:

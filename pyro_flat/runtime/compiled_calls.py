@@ -10,8 +10,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
+from .._internals import pytree
 from .capture import CapturedFunction, CaptureError, CompilationFallbackWarning, capture
 from .rng import cuda_devices, set_torch_random_state, torch_random_state
 

@@ -12,6 +12,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import constraints
 
+from .._internals import is_deterministic_record
 from .batchnorm import batchnorm_statistics_frozen
 
 __all__ = ["NothingToPerturbWarning", "at_latent_values", "is_deterministic_site", "is_latent_site", "is_real_support",
@@ -40,7 +41,7 @@ def is_latent_site(site: dict) -> bool:
         site["type"] == "sample"
         and not site["is_observed"]
         and not site_is_subsample(site)
-        and not site["infer"].get("_deterministic", False)
+        and not is_deterministic_record(site)
         and not site["infer"].get("is_auxiliary", False)
     )
 
@@ -52,7 +53,7 @@ def is_deterministic_site(site: dict) -> bool:
     an observation."""
     if site["type"] != "sample":
         return False
-    if site["infer"].get("_deterministic", False):
+    if is_deterministic_record(site):
         return True
     fn = site["fn"]
     while hasattr(fn, "base_dist"):

@@ -52,6 +52,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import Any
 
 import pyro.optim
@@ -59,6 +60,7 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoNormal
 from torch import Tensor
 
+from ..._internals import autocontinuous_loc_scale
 from ..._validation import check_int
 from ...ops.moments import update_running_moments
 from ..autoguide.swag import AutoSWAG, SWAGCollector
@@ -132,16 +134,16 @@ def guide_loc_scale(guide: Callable) -> tuple[dict[str, Tensor], dict[str, Tenso
         if isinstance(guide, AutoNormal):
             locs, scales = {}, {}
             for name, _ in guide.prototype_trace.iter_stochastic_nodes():
-                loc, scale = guide._get_loc_and_scale(name)
+                loc, scale = attrgetter(name)(guide.locs), attrgetter(name)(guide.scales)  # a dotted name too
                 locs[name], scales[name] = loc.detach().clone(), scale.detach().clone()
             return locs, scales
         if isinstance(guide, AutoContinuous):
             try:
-                loc, scale = guide._loc_scale()
+                parts = autocontinuous_loc_scale(guide)
             except NotImplementedError:
                 raise ValueError(f"guide_loc_scale: {type(guide).__name__} has no Gaussian loc/scale") from None
-            locs = {site["name"]: v.detach().clone() for site, v in guide._unpack_latent(loc)}
-            scales = {site["name"]: v.detach().clone() for site, v in guide._unpack_latent(scale)}
+            locs = {name: loc.detach().clone() for name, loc, _ in parts}
+            scales = {name: scale.detach().clone() for name, _, scale in parts}
             return locs, scales
     raise ValueError(
         f"guide_loc_scale: expected an AutoNormal or AutoContinuous Gaussian guide, got {type(guide).__name__}"
@@ -179,7 +181,7 @@ class HWA:
         locs, scales = guide_loc_scale(self.guide)
         n = self.means.num_collected
         self.means.collect_unconstrained(locs)
-        flat_scale = torch.cat([scales[k].reshape(-1) for k in self.means.sites]).to(self.means._mean)
+        flat_scale = self.means.to_flat(torch.cat([scales[k].reshape(-1) for k in self.means.sites]))
         if self._scale_mean is None:
             self._scale_mean = torch.zeros_like(flat_scale)
             self._scale_sq_mean = torch.zeros_like(flat_scale)
@@ -225,7 +227,7 @@ class HWA:
             flat = self.means.flat_variance() + self._scale_sq_mean
         else:
             flat = self.means.flat_variance()
-        return self.means._unflatten(flat)
+        return self.means.unflatten(flat)
 
     def averaged_guide(
         self, model: Callable, variance: str = "means", *, scale: float = 1.0, diagonal_only: bool = True
