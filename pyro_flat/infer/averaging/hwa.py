@@ -61,7 +61,7 @@ from pyro.infer.autoguide import AutoContinuous, AutoNormal
 from torch import Tensor
 
 from ..._internals import autocontinuous_loc_scale
-from ..._validation import check_int
+from ..._validation import check_int, check_real
 from ...ops.moments import update_running_moments
 from ..autoguide.swag import AutoSWAG, SWAGCollector
 
@@ -91,9 +91,7 @@ class CyclicalLR:
 
     def __init__(self, cycle_length: int, low_ratio: float) -> None:
         self.cycle_length = check_int(cycle_length, "cycle_length", owner="CyclicalLR")
-        if isinstance(low_ratio, bool) or not isinstance(low_ratio, (int, float)) or not 0 < low_ratio <= 1:
-            raise ValueError(f"CyclicalLR: `low_ratio` must be in (0, 1], got {low_ratio!r}")
-        self.low_ratio = float(low_ratio)
+        self.low_ratio = check_real(low_ratio, "low_ratio", low=0, high=1, low_open=True, owner="CyclicalLR")
 
     def __call__(self, step: int) -> float:
         return cyclical_lr(step, self.cycle_length, 1.0, self.low_ratio)
@@ -114,8 +112,7 @@ def cyclical_lr_scheduler(
     lr_high = optim_args.get("lr") if isinstance(optim_args, Mapping) else None
     if isinstance(lr_high, bool) or not isinstance(lr_high, (int, float)) or not lr_high > 0:
         raise ValueError(f"cyclical_lr_scheduler: `optim_args` must contain a learning rate 'lr' > 0, got {lr_high!r}")
-    if isinstance(lr_low, bool) or not isinstance(lr_low, (int, float)) or not 0 < lr_low <= lr_high:
-        raise ValueError(f"cyclical_lr_scheduler: `lr_low` must be in (0, lr={lr_high}], got {lr_low!r}")
+    check_real(lr_low, "lr_low", low=0, high=lr_high, low_open=True, owner="cyclical_lr_scheduler")
     schedule = CyclicalLR(cycle_length, lr_low / lr_high)
     return pyro.optim.LambdaLR({"optimizer": optimizer, "optim_args": dict(optim_args), "lr_lambda": schedule})
 

@@ -28,7 +28,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
@@ -44,7 +43,7 @@ from torch import Tensor, nn
 from torch.distributions import TransformedDistribution, kl_divergence, transform_to
 from torch.distributions.transforms import Transform
 
-from ..._validation import all_true, check_int
+from ..._validation import all_true, check_int, check_real
 from ...distributed import all_reduce_mean, check_distributed
 from ...ops.fisher import (
     conjugate_gradient,
@@ -228,11 +227,9 @@ class KLBallELBO(TensorTrace_ELBO):
             raise ValueError(f"KLBallELBO: `direction` must be one of {DIRECTIONS}, got {direction!r}")
         if fisher not in FISHER:
             raise ValueError(f"KLBallELBO: `fisher` must be one of {FISHER}, got {fisher!r}")
-        if isinstance(kl_weight, bool) or not (isinstance(kl_weight, (int, float)) and 0 <= kl_weight < math.inf):
-            raise ValueError(f"KLBallELBO: `kl_weight` must be a finite number >= 0, got {kl_weight!r}")
+        check_real(kl_weight, "kl_weight", low=0, owner="KLBallELBO")
         check_int(cg_iterations, "cg_iterations", owner="KLBallELBO")
-        if isinstance(cg_damping, bool) or not (isinstance(cg_damping, (int, float)) and 0 <= cg_damping < math.inf):
-            raise ValueError(f"KLBallELBO: `cg_damping` must be a finite number >= 0, got {cg_damping!r}")
+        check_real(cg_damping, "cg_damping", low=0, owner="KLBallELBO")
         if not isinstance(distributed, bool):
             raise ValueError(f"KLBallELBO: `distributed` must be a bool, got {distributed!r}")
         self.direction, self.fisher = direction, fisher
