@@ -39,6 +39,7 @@ __all__ = [
     "pytree",
     "set_unconstrained",
     "trace_log_r",
+    "unconstrained_of",
     "unconstrained_params",
 ]
 
@@ -82,6 +83,13 @@ def unconstrained_params() -> Mapping[str, Tensor]:
     """The param store's unconstrained tensors by name, without copying or constraining them: ``ParamStore`` exposes
     them only one by one (``named_parameters()`` iterates them; ``store[name]`` constrains)."""
     return pyro.get_param_store()._params
+
+
+def unconstrained_of(value: Tensor) -> Tensor | None:
+    """The param store's unconstrained tensor behind a value ``pyro.param`` returned (its ``unconstrained`` link),
+    or ``None`` for another tensor: Pyro has no public accessor for this link."""
+    link = getattr(value, "unconstrained", None)
+    return None if link is None else link()
 
 
 def set_unconstrained(value: Tensor, unconstrained: Tensor) -> None:

@@ -27,7 +27,8 @@ PRIVATE_NAMES = {"_PYRO_STACK", "_params", "_BatchNorm", "_InstanceNorm", "_sche
 
 def private_uses(path: Path) -> list[str]:
     """``line: what`` for every private Pyro or torch name a file reaches: an import from a private module or of a
-    private name, an attribute of :data:`PRIVATE_NAMES` (not of ``self``), or a private one as a string key. torch's
+    private name, an attribute of :data:`PRIVATE_NAMES` (not of ``self``, read or set by name too), or a private one
+    as a string key. torch's
     ``torch._foreach_*`` list operations (those torch's own optimizers use) are not counted."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -40,6 +41,9 @@ def private_uses(path: Path) -> list[str]:
                 found.append(f"{node.lineno}: .{node.attr}")
         elif isinstance(node, ast.Constant) and node.value in PRIVATE_NAMES and node.value.startswith("_"):
             found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr") \
+                and len(node.args) > 1 and getattr(node.args[1], "value", None) in PRIVATE_NAMES:
+            found.append(f"{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
     return found
 
 
@@ -98,7 +102,8 @@ def test_pyro_internals_still_mean_what_they_meant():
     assert torch.equal(store["scale"], torch.zeros(2)) and scale.unconstrained() is store["scale"]
     other = torch.ones(2)
     _internals.set_unconstrained(other, store["scale"])
-    assert other.unconstrained() is store["scale"]
+    assert other.unconstrained() is store["scale"] and _internals.unconstrained_of(other) is store["scale"]
+    assert _internals.unconstrained_of(torch.ones(1)) is None
 
     def model():
         x = pyro.sample("x", dist.Normal(0.0, 1.0))
