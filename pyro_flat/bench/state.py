@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import numpy as np
 import pyro
 import pyro.optim
 import torch
 from torch import Tensor
 
+from .._internals import optimizer_states_not_consumed
 from .._validation import all_true
+from ..runtime.rng import random_state, set_random_state  # the harness's random states, saved with a checkpoint
 from .files import atomic_save, load_checkpoint
 
 __all__ = [
@@ -33,7 +34,7 @@ def get_state(obj: object) -> object:
     used yet."""
     if isinstance(obj, pyro.optim.PyroOptim):
         # states loaded but not yet consumed (no step since the resume) are part of the state
-        return {**getattr(obj, "_state_waiting_to_be_consumed", {}), **obj.get_state()}
+        return {**optimizer_states_not_consumed(obj), **obj.get_state()}
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
     raise TypeError(f"cannot checkpoint a {type(obj).__name__}: it has no state_dict()")
@@ -45,25 +46,6 @@ def set_state(obj: object, state: object) -> None:
         obj.set_state(state)
     else:
         obj.load_state_dict(state)
-
-
-def random_state() -> dict:
-    """torch's, Python's, NumPy's (its key as an int64 tensor, so that a weights-only load reads it) and CUDA's
-    random states."""
-    state = pyro.util.get_rng_state()
-    name, key, position, has_gauss, cached = state["numpy"]
-    state["numpy"] = (name, torch.from_numpy(key.astype(np.int64)), int(position), int(has_gauss), float(cached))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_random_state(state: Mapping) -> None:
-    """Restore a state of :func:`random_state`."""
-    name, key, position, has_gauss, cached = state["numpy"]
-    pyro.util.set_rng_state({**state, "numpy": (name, key.numpy().astype(np.uint32), position, has_gauss, cached)})
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def move_tensors(obj: object, device: torch.device) -> object:

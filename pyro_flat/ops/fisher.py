@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .._validation import check_int
+from .._validation import check_int, check_real
 from .low_rank import low_rank_covariance_product
 from .sam import check_radius
 from .tree import global_norm, tree_dot
@@ -205,8 +205,7 @@ def conjugate_gradient(
     :returns: :math:`x`, shaped like ``b``.
     """
     check_int(iterations, "iterations", owner="conjugate_gradient")
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0 <= damping < math.inf:
-        raise ValueError(f"conjugate_gradient: `damping` must be a finite number >= 0, got {damping!r}")
+    check_real(damping, "damping", low=0, owner="conjugate_gradient")
     b = [t.detach() for t in b]
     fb = matvec(b)
     bb = tree_dot(b, b)

@@ -275,6 +275,15 @@ class SWAGCollector:
         """The collected sites and their unconstrained shapes, in flattening order."""
         return dict(self._shapes)
 
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """A flat vector ``[P]`` in the collector's order (that of :meth:`flat_mean`) split per site."""
+        return self._unflatten(flat)
+
+    def to_flat(self, tensor: Tensor) -> Tensor:
+        """``tensor`` in the dtype and on the device of the collector's flat vectors (after a collection)."""
+        self._check_collected("to_flat")
+        return tensor.to(self._mean)
+
     def _unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         out, pos = {}, 0
         for name, shape in self._shapes.items():
