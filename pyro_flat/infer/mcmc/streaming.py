@@ -19,10 +19,13 @@ draw, in memory or in files mapped into memory (written out by the operating sys
 ``StreamingMCMC`` with Pyro's counting statistics so that nothing else is kept per draw::
 
     buffer = DrawBuffer(100)                                 # or DrawBuffer(100, directory="draws/")
-    StreamingMCMC(kernel, num_samples=100, warmup_steps=500, hook_fn=buffer,
-                  statistics=StatsOfDict(default=CountStats)).run(x_train, y_train, subsample_size=128)
+    buffer.streaming_mcmc(kernel, num_samples=100, warmup_steps=500).run(x_train, y_train, subsample_size=128)
     samples = buffer.samples()                               # {site: [100, ...]}, as MCMC.get_samples() returns
     samples = DrawBuffer.open("draws/").samples()            # later, from the files
+
+(:meth:`DrawBuffer.streaming_mcmc` is ``StreamingMCMC(kernel, ..., hook_fn=buffer, statistics=StatsOfDict(
+default=CountStats), save_params=[])``: Pyro's driver then copies nothing per draw, and the buffer keeps the kernel's
+``save_params``.)
 
 Only post-warm-up calls are draws; with the stochastic-gradient kernels one call is one draw after thinning or at a
 cyclical schedule's collection step.
@@ -35,11 +38,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from pyro.infer.mcmc.api import StreamingMCMC
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
+from pyro.ops.streaming import CountStats, StatsOfDict
 from torch import Tensor
 
 from ..._validation import check_int
-from .base import _is_identity
+from .base import StochasticGradientKernel, _is_identity
 
 __all__ = ["DrawBuffer", "DrawHook", "DiskWriter", "load_draws"]
 
@@ -143,6 +148,7 @@ class DrawBuffer:
         self.count = 0
         self.buffers: dict[str, Tensor] | None = None
         self._meta: dict = {}
+        self._default_sites: Callable[[], list[str] | None] | None = None  # the kernel's, read at the first draw
 
     def _allocate(self, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
         if self.directory is None:
@@ -188,6 +194,8 @@ class DrawBuffer:
         ``transforms`` inverted), go into the next row."""
         if not stage.startswith("Sample"):
             return
+        if self.sites is None and self._default_sites is not None:
+            self.sites = self._default_sites()
         transforms = getattr(kernel, "transforms", None) or {}
         names = params if self.sites is None else self.sites
         draw = {}
@@ -198,6 +206,29 @@ class DrawBuffer:
             value = params[name]
             draw[name] = value if transform is None or _is_identity(transform) else transform.inv(value.detach())
         self.add(draw)
+
+    def streaming_mcmc(self, kernel: MCMCKernel, num_samples: int, warmup_steps: int | None = None,
+                       **options: object) -> StreamingMCMC:
+        """Pyro's ``StreamingMCMC`` that keeps its draws here and nothing else: this buffer as ``hook_fn``, Pyro's
+        counting statistics, and ``save_params=[]`` so that Pyro's driver does not concatenate each draw into a flat
+        vector (a copy of every weight). The buffer keeps the sites the kernel would have kept (its ``save_params``,
+        read first; as ``MCMC(save_params=...)`` does, the kernel's are then set).
+
+        :param kernel: the MCMC kernel.
+        :param int num_samples: the draws (at most the buffer's rows).
+        :param warmup_steps: as for ``StreamingMCMC``.
+        :param options: ``StreamingMCMC``'s other options (``num_chains``, ``disable_progbar``, ...).
+        """
+        if any(k in options for k in ("hook_fn", "statistics", "save_params")):
+            raise ValueError("DrawBuffer.streaming_mcmc sets hook_fn, statistics and save_params itself")
+        if self.sites is None:
+            sites = getattr(kernel, "save_params", None)
+            if sites:
+                self.sites = list(sites)
+            elif isinstance(kernel, StochasticGradientKernel):  # its default is known after setup
+                self._default_sites = kernel._default_save_params
+        return StreamingMCMC(kernel, num_samples, warmup_steps, hook_fn=self,
+                             statistics=StatsOfDict(default=CountStats), save_params=[], **options)
 
     def samples(self) -> dict[str, Tensor]:
         """The draws so far, ``{site: [count, *shape]}`` (views of the rows, no copy)."""

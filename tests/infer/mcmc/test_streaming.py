@@ -12,7 +12,7 @@ from pyro.infer import MCMC
 from pyro.infer.mcmc.api import StreamingMCMC
 from pyro.ops.streaming import CountStats, StatsOfDict
 
-from pyro_flat.infer.mcmc import SGLD, DrawBuffer
+from pyro_flat.infer.mcmc import SGLD, DrawBuffer, EntropyMCMC
 
 
 def model():
@@ -49,6 +49,30 @@ def test_streaming_mcmc_with_a_buffer_keeps_mcmcs_draws(on_disk, tmp_path):
         reopened = DrawBuffer.open(tmp_path / "draws").samples()
         for name, value in expected.items():
             assert torch.equal(reopened[name], value), name
+
+
+@pytest.mark.parametrize("make_kernel, save_params", [
+    (lambda: SGLD(model, step_size=0.01), None),
+    (lambda: SGLD(model, step_size=0.01), ["scale"]),
+    (lambda: EntropyMCMC(model, eta=0.5, step_size=0.01), None),  # its default keeps theta, not the anchors
+])
+def test_streaming_mcmc_helper_keeps_what_mcmc_keeps_and_lets_pyro_copy_nothing(make_kernel, save_params):
+    pyro.set_rng_seed(2)
+    mcmc = MCMC(make_kernel(), num_samples=4, warmup_steps=2, save_params=save_params, disable_progbar=True)
+    mcmc.run()
+    expected = mcmc.get_samples()
+    pyro.set_rng_seed(2)
+    kernel = make_kernel()
+    if save_params is not None:
+        kernel.save_params = save_params
+    buffer = DrawBuffer(4)
+    buffer.streaming_mcmc(kernel, num_samples=4, warmup_steps=2, disable_progbar=True).run()
+    samples = buffer.samples()
+    assert set(samples) == set(expected) and kernel.save_params == []  # Pyro's driver kept nothing
+    for name, value in expected.items():
+        assert torch.equal(samples[name], value), name
+    with pytest.raises(ValueError, match="sets hook_fn"):
+        buffer.streaming_mcmc(kernel, num_samples=4, hook_fn=print)
 
 
 def test_rows_are_written_in_place_and_the_count_is_what_is_read():
