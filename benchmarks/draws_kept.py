@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=1, help="runs per timed block")
     parser.add_argument("--draws", type=int, default=500, help="draws (= gradient steps) per run")
     parser.add_argument("--eager", action="store_true", help="time the Pyro variants eager as well")
+    parser.add_argument("--jit-backend", default="inductor",
+                        help="torch.compile backend of the compiled variants ('none': the captured graphs, uncompiled)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first (capture and compilation)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draws_kept.md")
     args = parser.parse_args(argv)
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> str:
     warnings.filterwarnings("ignore", category=FutureWarning)
     network = Network("mlp")
     draws = args.draws
+    jit = {"backend": None if args.jit_backend == "none" else args.jit_backend}
     variants = {
         REFERENCE: TorchSGLDKeepingDraws(network, draws),
         "torch SGLD, no draw kept": TorchSGLDKeepingDraws(network, draws, keep=False),
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> str:
                        ("SGLD.sample loop + DrawBuffer.add", "loop")):
         if args.eager:
             variants[label] = PyroRun(network, draws, how)
-        variants[f"{label}, jit_compile=True"] = PyroRun(network, draws, how, jit_compile=True)
+        variants[f"{label}, jit_compile=True"] = PyroRun(network, draws, how, jit_compile=True, jit_options=jit)
     checks = {
         "potential gradient, kernel vs torch loop (relative difference)":
             f"{check_same_gradient(KernelSteps(network, 0), variants[REFERENCE]):.1e}",
