@@ -1,11 +1,10 @@
 """The state of what a harness loop looks after: reading and restoring each object's state, the random states, moving
-a checkpoint's tensors to the run's device, finding a non-finite tensor, and the two holders a loop checkpoints
-(:class:`Holder`, :class:`DrawStore`)."""
+a checkpoint's tensors to the run's device, finding a non-finite tensor, and the holder of a value a loop checkpoints
+(:class:`Holder`; the SG-MCMC draws go to a :class:`~pyro_flat.infer.mcmc.DrawBuffer`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 
 import pyro
 import pyro.optim
@@ -15,10 +14,8 @@ from torch import Tensor
 from .._internals import optimizer_states_not_consumed
 from .._validation import all_true
 from ..runtime.rng import random_state, set_random_state  # the harness's random states, saved with a checkpoint
-from .files import atomic_save, load_checkpoint
 
 __all__ = [
-    "DrawStore",
     "Holder",
     "first_non_finite",
     "get_state",
@@ -93,36 +90,3 @@ class Holder:
 
     def load_state_dict(self, state: Mapping) -> None:
         self.value = state["value"]
-
-
-class DrawStore:
-    """The posterior draws a loop collects: kept in memory and, with a ``directory``, each written once to its own
-    file (``draw_000000.pt``, ...), so that a checkpoint holds only their number, not the weights of every draw.
-
-    :param directory: where the draw files go (``None``: the checkpoints hold the draws themselves).
-    :param writer: whether this process writes files.
-    :param device: where draws read back from the files go.
-    """
-
-    def __init__(self, directory: Path | None, *, writer: bool = True, device: torch.device | None = None) -> None:
-        self.directory, self.writer, self.device = directory, writer, device
-        self.draws: list[dict[str, Tensor]] = []
-        if directory is not None and writer:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-
-    def _path(self, k: int) -> Path:
-        return Path(self.directory) / f"draw_{k:06d}.pt"
-
-    def add(self, draw: dict[str, Tensor]) -> None:
-        if self.directory is not None and self.writer:
-            atomic_save(draw, self._path(len(self.draws)))
-        self.draws.append(draw)
-
-    def state_dict(self) -> dict:
-        return {"count": len(self.draws)} if self.directory is not None else {"draws": list(self.draws)}
-
-    def load_state_dict(self, state: Mapping) -> None:
-        if "draws" in state:
-            self.draws = list(state["draws"])
-        else:
-            self.draws = [load_checkpoint(self._path(k), map_location=self.device) for k in range(state["count"])]
