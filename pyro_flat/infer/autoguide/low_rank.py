@@ -38,7 +38,7 @@ from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn import PyroParam
 from torch import Tensor, nn
-from torch.distributions.utils import _standard_normal, lazy_property
+from torch.distributions.utils import lazy_property
 
 from ...ops.low_rank import (
     low_rank_capacitance_tril,
@@ -146,8 +146,8 @@ class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
     def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
         loc, scale, factor = self._params
         shape = self._extended_shape(sample_shape)
-        noise_rank = _standard_normal(shape[:-1] + factor.shape[-1:], dtype=loc.dtype, device=loc.device)
-        noise_diag = _standard_normal(shape, dtype=loc.dtype, device=loc.device)
+        noise_rank = torch.empty(shape[:-1] + factor.shape[-1:], dtype=loc.dtype, device=loc.device).normal_()
+        noise_diag = torch.empty(shape, dtype=loc.dtype, device=loc.device).normal_()  # torch's own standard draws
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in self._params)):
             return low_rank_rsample(loc, scale, factor, noise_diag, noise_rank)
         value, log_prob = low_rank_rsample_and_log_prob(loc, scale, factor, noise_diag, noise_rank)
