@@ -63,7 +63,7 @@ def run_and_report(
     resume: bool = False,
     progress: bool = True,
 ) -> list[RunRecord]:
-    """Run every method on every dataset for seeds ``0 .. seeds-1`` and write the table, JSON, per-epoch log and the
+    """Run every method on every dataset for seeds 0 to ``seeds - 1`` and write the table, JSON, per-epoch log and the
     figures there are data for to ``out`` (rank 0), saying which files were written.
 
     :param command: the command line that started the run, written with the results.
