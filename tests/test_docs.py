@@ -19,7 +19,8 @@ DOCS = ROOT / "docs"
 
 # pages whose Python blocks form one runnable script (other pages show fragments)
 RUNNABLE = ["guide/quickstart.md", "guide/your-own-model.md", "guide/which-method.md", "guide/extending.md",
-            "methods/sharpness-aware.md", "methods/kl-ball.md", "methods/trajectories.md", "methods/sgmcmc.md"]
+            "methods/sharpness-aware.md", "methods/cheaper-steps.md", "methods/kl-ball.md", "methods/trajectories.md",
+            "methods/sgmcmc.md"]
 
 
 def test_result_sections_are_the_rendering_of_the_declared_runs(script):
@@ -31,10 +32,35 @@ def test_result_sections_are_the_rendering_of_the_declared_runs(script):
     shown = {source for page in pages for source in generator.sources(page)}
     declared = {f"results/{run}/results.json" for run in generator.HARNESS_RUNS}
     declared |= {f"results/{run}" for run in generator.TRANSFER_RUNS}
-    assert declared | {generator.SUMMARY} <= shown, "a declared run is shown on no page"
+    assert declared | {generator.SUMMARY, generator.CHEAPER_STEPS} <= shown, "a declared run is shown on no page"
     for page, text in pages.items():
         for figure in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
             assert (page.parent / figure).is_file(), (page.name, figure)
+
+
+def test_cheaper_steps_comparison_pairs_the_settings_by_seed(script, tmp_path, monkeypatch):
+    generator = script("results_pages")
+    config = {"model": "mlp", "hidden": [8], "prior_scale": 1.0, "num_epochs": 2, "batch_size": 4, "lr": 0.1,
+              "num_bma_samples": 1, "ensemble_size": 1, "lambda_max_draws": 1, "lambda_max_points": 4,
+              "dtype": "float32", "device": "cpu", "options": {}}
+    # λ_max per seed: base 10, 12; full 4, 6 (reduction 6); cheaper 7, 9 (reduction 3: half of it); NLL per seed
+    lambda_max = {"base": (10.0, 12.0), "full": (4.0, 6.0), "cheap": (7.0, 9.0)}
+    nll = {"base": (1.0, 1.2), "full": (0.9, 1.1), "cheap": (0.91, 1.11)}
+    runs = (("base", "one", "map"), ("full", "one", "sam"), ("cheap", "two", "sam"))
+    for run in ("one", "two"):
+        records = [{"dataset": "digits", "method": method, "seed": seed, "fit_seconds": 1.0,
+                    "metrics": {"acc": 0.5, "nll": nll[name][seed], "ece": 0.1, "lambda_max": lambda_max[name][seed]}}
+                   for name, r, method in runs if r == run for seed in (0, 1)]
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "results.json").write_text(json.dumps({"command": run, "config": config,
+                                                                  "records": records}))
+    monkeypatch.setattr(generator, "RESULTS", tmp_path)
+    monkeypatch.setattr(generator, "CHEAPER_STEP_RUNS", {"SAM": runs})
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in generator.cheaper_steps_section().splitlines()
+            if line.startswith("| ") and not line.startswith("| setting")}
+    assert rows["| full"][1] == "2" and rows["| full"][7] == "100%"
+    # kept 50 % (< 80 %); NLL +0.01 on both seeds, within the seed-to-seed std of full's NLL (0.14)
+    assert rows["| cheap"][7:10] == ["50%", "+0.0100 ± 0.0000 (0/2)", "no (50% kept; NLL within noise) |"]
 
 
 def test_pages_render_on_the_repository_too():
