@@ -138,8 +138,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                             "jit_compile=True); pays off for long runs only (docs/speed.md)")
     group = parser.add_argument_group("long runs")
     group.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
-                       help="checkpoint every STEPS steps (0: only at the end of each training phase; without this flag "
-                            "or --resume, no checkpoints); checkpoints go to OUT/checkpoints")
+                       help="checkpoint every STEPS steps (0: only at the end of each training phase; without this "
+                            "flag or --resume, no checkpoints); checkpoints go to OUT/checkpoints")
     group.add_argument("--resume", action="store_true",
                        help="continue a killed run from OUT/checkpoints, exactly where it stopped")
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
