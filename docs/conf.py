@@ -61,7 +61,8 @@ suppress_warnings = ["mystnb.unknown_mime_type"]
 # of the defining module keeps its docstring and links there; references to any other path of the object resolve to
 # the public one.
 API_PACKAGES = ("pyro_flat.data", "pyro_flat.nn", "pyro_flat.infer", "pyro_flat.transforms", "pyro_flat.optim",
-                "pyro_flat.metrics", "pyro_flat.ops", "pyro_flat.distributed", "pyro_flat.testing", "pyro_flat.bench")
+                "pyro_flat.metrics", "pyro_flat.ops", "pyro_flat.runtime", "pyro_flat.distributed",
+                "pyro_flat.testing", "pyro_flat.bench")
 
 
 def _api_paths() -> tuple[dict[str, dict[str, list]], dict[str, str]]:

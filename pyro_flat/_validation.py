@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,38 @@ def check_int(value: object, name: str, *, minimum: int = 1, owner: str | None =
         prefix = f"{owner}: " if owner else ""
         raise ValueError(f"{prefix}`{name}` must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def _interval(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    """``> 0``, ``>= 0``, ``< 1``, ``in [0, 1)``: the set of accepted numbers, as an error message says it."""
+    if math.isinf(high):
+        return f"a finite number {'>' if low_open else '>='} {low:g}" if math.isfinite(low) else "a finite number"
+    if math.isinf(low):
+        return f"a finite number {'<' if high_open else '<='} {high:g}"
+    return f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def check_real(
+    value: object,
+    name: str,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    owner: str | None = None,
+) -> float:
+    """``value`` as a float if it is a finite real number (an int or a float, not a bool) between ``low`` and
+    ``high`` (each end included unless ``low_open`` / ``high_open``); otherwise a ``ValueError`` that names
+    ``owner`` (the function or class being called), the argument and the accepted numbers, e.g.
+    ``"SAM: `rho` must be a finite number >= 0, got -1"``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        prefix = f"{owner}: " if owner else ""
+        raise ValueError(f"{prefix}`{name}` must be {_interval(low, high, low_open, high_open)}, got {value!r}")
+    return float(value)
 
 
 def all_true(flags: Sequence[Tensor]) -> bool:

@@ -63,6 +63,8 @@ from pyro.infer import ELBO
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ._internals import BatchNormBase
+
 __all__ = [
     "GlobalBatchNorm",
     "all_reduce_mean",
@@ -179,7 +181,7 @@ class _AllReduceSum(torch.autograd.Function):
         return _AllReduceSum.apply(grad, ctx.group), None
 
 
-class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
+class GlobalBatchNorm(BatchNormBase):
     r"""BatchNorm over the global batch of all ranks: the semantics of :class:`torch.nn.SyncBatchNorm`, on any device
     (``SyncBatchNorm`` runs on GPUs only, and DDP refuses it in a CPU module).
 
@@ -251,7 +253,7 @@ def convert_batchnorm(module: nn.Module, process_group: object | None = None) ->
     :param module: a network.
     :param process_group: the ranks whose batches form the global batch (default: the world).
     """
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, GlobalBatchNorm):
         converted = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                     module.track_running_stats, process_group)
         if module.affine:
@@ -275,7 +277,7 @@ def local_batchnorm(module: nn.Module) -> Iterator[None]:
     training set), where the summed statistics would count each example once per rank."""
     layers = [m for m in module.modules() if isinstance(m, (GlobalBatchNorm, nn.SyncBatchNorm))]
     for layer in layers:
-        layer.forward = partial(nn.modules.batchnorm._BatchNorm.forward, layer)
+        layer.forward = partial(BatchNormBase.forward, layer)
     try:
         yield
     finally:

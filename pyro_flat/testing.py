@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._internals import TorchDispatchMode
 from ._validation import check_int
 
 __all__ = ["HostSync", "HostSyncCounter"]

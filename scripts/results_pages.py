@@ -53,8 +53,38 @@ SECTION = re.compile(r"<!-- generated from (results/[^\s<>]+) by scripts/results
 SUMMARY = "results/*/results.json"
 
 HARNESS_RUNS = ("baselines", "sharpness_aware", "sgmcmc", "f_sgld", "trajectory", "kl_ball",
-                "trajectory_sensitivity/bsam_lr0.25", "trajectory_sensitivity/m_sharpness8")
+                "trajectory_sensitivity/bsam_lr0.25", "trajectory_sensitivity/m_sharpness8",
+                "efficient_sam/sam", "efficient_sam/sam_looksam5", "efficient_sam/sam_looksam5_alpha0.3",
+                "efficient_sam/sam_looksam5_alpha0.1", "efficient_sam/sam_rst0.5", "efficient_sam/sam_rst0.25",
+                "efficient_sam/f_vi", "efficient_sam/f_vi_looksam5", "efficient_sam/f_vi_looksam5_alpha0.3",
+                "efficient_sam/f_vi_looksam5_alpha0.1", "efficient_sam/f_vi_rst0.5")
 """The committed harness runs the documentation shows (folders under ``results/``)."""
+CHEAPER_STEPS = "results/efficient_sam/*/results.json"
+"""The source of the cheaper sharpness-aware steps' comparison (:data:`CHEAPER_STEP_RUNS`)."""
+CHEAPER_STEP_RUNS = {
+    # family: ((setting, harness run, method), ...): the base first, then the full sharpness-aware method, then its
+    # cheaper steps
+    "SAM (AutoDelta + SharpnessAwareELBO) against MAP": (
+        ("base: map", "efficient_sam/sam", "map"),
+        ("full: sam", "efficient_sam/sam", "sam"),
+        ("sam, LookSAM k=5 (α 0.7)", "efficient_sam/sam_looksam5", "sam"),
+        ("sam, LookSAM k=5, α 0.3", "efficient_sam/sam_looksam5_alpha0.3", "sam"),
+        ("sam, LookSAM k=5, α 0.1", "efficient_sam/sam_looksam5_alpha0.1", "sam"),
+        ("sam, RST p=0.5", "efficient_sam/sam_rst0.5", "sam"),
+        ("sam, RST p=0.25", "efficient_sam/sam_rst0.25", "sam"),
+    ),
+    "F-VI (AutoNormal + SharpnessAwareELBO) against VI": (
+        ("base: vi", "efficient_sam/f_vi", "vi"),
+        ("full: f_vi", "efficient_sam/f_vi", "f_vi"),
+        ("f_vi, LookSAM k=5 (α 0.7)", "efficient_sam/f_vi_looksam5", "f_vi"),
+        ("f_vi, LookSAM k=5, α 0.3", "efficient_sam/f_vi_looksam5_alpha0.3", "f_vi"),
+        ("f_vi, LookSAM k=5, α 0.1", "efficient_sam/f_vi_looksam5_alpha0.1", "f_vi"),
+        ("f_vi, RST p=0.5", "efficient_sam/f_vi_rst0.5", "f_vi"),
+    ),
+}
+"""The committed runs of the cheaper sharpness-aware steps (issue 22), compared setting by setting, paired by seed."""
+KEPT_REDUCTION = 0.8
+"""The goal's share of the full method's λ_max reduction a cheaper step keeps."""
 TRANSFER_RUNS = ("kl_ball/transfer_table.json", "kl_ball/transfer_radius_sweep.json")
 """The committed few-shot transfer runs of ``benchmarks/sa_bma_transfer.py`` (under ``results/``)."""
 
@@ -244,11 +274,96 @@ def summary(link: str, only: tuple[str, ...] | None = None) -> str:
     return "\n".join(lines)
 
 
+def _setting_values(settings: tuple[tuple[str, str, str], ...], dataset: str) -> dict[str, dict[int, dict]]:
+    """``{setting: {seed: metrics and fit time}}`` of every setting of ``settings`` on ``dataset``."""
+    values = {}
+    for setting, run, method in settings:
+        records = json.loads((RESULTS / run / "results.json").read_text())["records"]
+        values[setting] = {r["seed"]: r["metrics"] | {"fit_seconds": r["fit_seconds"]} for r in records
+                           if r["dataset"] == dataset and r["method"] == method}
+    return values
+
+
+def _mean_std_cell(values: list[float], fmt: str) -> str:
+    spread = "" if len(values) < 2 else " ± " + fmt.format(statistics.stdev(values))
+    return fmt.format(statistics.mean(values)) + spread
+
+
+def _cheaper_steps_table(settings: tuple[tuple[str, str, str], ...], dataset: str) -> list[str]:
+    """One family's settings on ``dataset``: each setting's metrics over the seeds it shares with the base and the full
+    method, the share of the full method's λ_max reduction it keeps and its NLL against the full method's, paired by
+    seed."""
+    values = _setting_values(settings, dataset)
+    (base, _, _), (full, _, _) = settings[:2]
+
+    def column(setting: str, key: str, seeds: list[int]) -> list[float]:
+        return [values[setting][s][key] for s in seeds]
+
+    def reduction(setting: str, seeds: list[int]) -> float:
+        """The mean over ``seeds`` of base − setting λ_max."""
+        return statistics.mean(b - x for b, x in zip(column(base, "lambda_max", seeds),
+                                                     column(setting, "lambda_max", seeds), strict=True))
+
+    lines = [f"**{dataset}**, mean ± std over seeds:", "",
+             "| setting | seeds | acc (%) | NLL | ECE | λ_max | fit (s) | λ_max reduction kept | NLL − full | "
+             f"≥ {KEPT_REDUCTION:.0%} kept and NLL within noise |", "|---" * 10 + "|"]
+    for setting, _, _ in settings:
+        seeds = sorted(set(values[base]) & set(values[full]) & set(values[setting]))
+        cells = [str(len(seeds)), _mean_std_cell([100 * a for a in column(setting, "acc", seeds)], "{:.2f}"),
+                 _mean_std_cell(column(setting, "nll", seeds), "{:.4f}"),
+                 _mean_std_cell(column(setting, "ece", seeds), "{:.4f}"),
+                 _mean_std_cell(column(setting, "lambda_max", seeds), "{:.3g}"),
+                 _mean_std_cell(column(setting, "fit_seconds", seeds), "{:.1f}")]
+        if setting == base:
+            cells += ["–", "–", "–"]
+        elif setting == full:
+            cells += ["100%", "–", "–"]
+        else:
+            kept = reduction(setting, seeds) / reduction(full, seeds)
+            nll = [x - f for x, f in zip(column(setting, "nll", seeds), column(full, "nll", seeds), strict=True)]
+            noise = statistics.stdev(column(full, "nll", seeds)) if len(seeds) > 1 else float("nan")
+            within = statistics.mean(nll) <= noise  # worse by no more than the noise (better is fine)
+            verdict = "yes" if kept >= KEPT_REDUCTION and within else "no"
+            cells += [f"{kept:.0%}", _difference_cell(nll, "{:+.4f}", True),
+                      f"{verdict} ({kept:.0%} kept; NLL {'within noise' if within else 'worse beyond noise'})"]
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def cheaper_steps_section() -> str:
+    """The cheaper sharpness-aware steps of every family of :data:`CHEAPER_STEP_RUNS` against the full method and the
+    base, paired by seed."""
+    runs = dict.fromkeys(run for settings in CHEAPER_STEP_RUNS.values() for _, run, _ in settings)
+    payloads = [json.loads((RESULTS / run / "results.json").read_text()) for run in runs]
+    configs = [{k: v for k, v in p["config"].items() if k != "options"} for p in payloads]
+    if any(c != configs[0] for c in configs):
+        raise ValueError(f"the runs of {CHEAPER_STEPS} differ in more than their options: {configs}")
+    datasets = list(dict.fromkeys(r["dataset"] for r in payloads[0]["records"]))
+    lines = ["Commands:", "", *[f"* `{p['command'].replace(' --no-progress', '')}`" for p in payloads], "",
+             f"Configuration: {_config_line(payloads[0]['config'])}; the runs differ only in their options.", ""]
+    for family, settings in CHEAPER_STEP_RUNS.items():
+        lines += [f"*{family}*", ""]
+        for dataset in datasets:
+            lines += _cheaper_steps_table(settings, dataset)
+    lines += [
+        "Each row is over the seeds its setting shares with the base and the full method (seeds: their number). "
+        "λ_max reduction kept: the mean over those seeds of (base − setting) λ_max over the mean of (base − full) "
+        "λ_max, each seed's setting paired with the base and the full method of the same seed. NLL − full: the "
+        "setting's NLL minus the full method's, paired by seed, mean ± std (seeds where the setting is lower / "
+        "seeds). NLL within noise: that mean difference is below (better) or above by no more than the seed-to-seed "
+        "standard deviation of the full method's NLL over the same seeds. Fit times are indicative (the machine was "
+        "shared; the step costs are measured in `benchmarks/results/efficient_sam_steps.md`). Generated by "
+        "`python scripts/results_pages.py` from the runs' `results.json`."]
+    return "\n".join(lines)
+
+
 def section(source: str, page: Path) -> str:
     """The generated text of ``source`` (a declared run, a benchmark's Markdown file or the summary) on ``page``."""
     if source == SUMMARY:
         folder = _link(DOCS / "methods", page)
         return summary("{page}.md" if folder == "." else folder + "/{page}.md")
+    if source == CHEAPER_STEPS:
+        return cheaper_steps_section()
     path = ROOT / source
     relative = path.relative_to(RESULTS).as_posix() if path.is_relative_to(RESULTS) else None
     if path.name == "results.json" and path.parent.relative_to(RESULTS).as_posix() in HARNESS_RUNS:
@@ -258,7 +373,7 @@ def section(source: str, page: Path) -> str:
     if path.suffix == ".md" and relative is not None and path.is_file():
         return markdown_section(path, page)
     raise ValueError(f"{page.relative_to(ROOT)} shows {source!r}, which is neither a declared run (HARNESS_RUNS, "
-                     "TRANSFER_RUNS), the summary, nor a Markdown file under results/")
+                     "TRANSFER_RUNS), the summary, the cheaper steps' comparison, nor a Markdown file under results/")
 
 
 def render(page: Path, text: str | None = None) -> str:

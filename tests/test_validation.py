@@ -1,10 +1,12 @@
-"""The package's shared checks: the one integer check (which argument, what was expected, what was given) and the
-one-host-read test of many flags."""
+"""The package's shared checks: the one integer check and the one real-number check (which argument, what was
+expected, what was given) and the one-host-read test of many flags."""
+
+import re
 
 import pytest
 import torch
 
-from pyro_flat._validation import all_true, check_int
+from pyro_flat._validation import all_true, check_int, check_real
 
 
 def test_check_int_accepts_ints_at_the_bound():
@@ -16,6 +18,30 @@ def test_check_int_accepts_ints_at_the_bound():
 def test_check_int_names_the_argument_and_the_bound(value):
     with pytest.raises(ValueError, match=r"^HWA.callback: `k` must be an int >= 1, got "):
         check_int(value, "k", owner="HWA.callback")
+
+
+def test_check_real_accepts_numbers_in_the_interval_as_floats():
+    assert check_real(2, "rho", low=0) == 2.0 and isinstance(check_real(2, "rho", low=0), float)
+    assert check_real(0, "rho", low=0) == 0.0  # a closed end
+    assert check_real(1, "p", low=0, high=1) == 1.0
+    assert check_real(-1e300, "x") == -1e300
+
+
+@pytest.mark.parametrize(("value", "bounds", "said"), [
+    (0, {"low": 0, "low_open": True}, "a finite number > 0"),
+    (-0.5, {"low": 0}, "a finite number >= 0"),
+    (float("inf"), {"low": 0}, "a finite number >= 0"),
+    (float("nan"), {"low": 0}, "a finite number >= 0"),
+    (True, {"low": 0}, "a finite number >= 0"),
+    ("1", {"low": 0}, "a finite number >= 0"),
+    (None, {}, "a finite number"),
+    (1, {"low": 0, "high": 1, "high_open": True}, r"a number in \[0, 1\)"),
+    (0, {"low": 0, "high": 1, "low_open": True}, r"a number in \(0, 1\]"),
+    (2, {"high": 1}, "a finite number <= 1"),
+])
+def test_check_real_names_the_argument_and_the_numbers_it_accepts(value, bounds, said):
+    with pytest.raises(ValueError, match=rf"^SAM: `rho` must be {said}, got {re.escape(repr(value))}$"):
+        check_real(value, "rho", owner="SAM", **bounds)
 
 
 def test_all_true_reads_every_flag_at_once():

@@ -137,9 +137,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                        help="compiled flat objectives and kernels (JitSharpnessAwareELBO, JitKLBallELBO, "
                             "jit_compile=True); pays off for long runs only (docs/speed.md)")
     group = parser.add_argument_group("long runs")
-    group.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
-                       help="checkpoint every STEPS steps (0: only at the end of each training phase, and only with "
-                            "--checkpoint-every or --resume given); checkpoints go to OUT/checkpoints")
+    group.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                       help="checkpoint every STEPS steps (0: only at the end of each training phase; without this "
+                            "flag or --resume, no checkpoints); checkpoints go to OUT/checkpoints")
     group.add_argument("--resume", action="store_true",
                        help="continue a killed run from OUT/checkpoints, exactly where it stopped")
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -284,7 +284,7 @@ def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespac
     the folders and files they name."""
     if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
-    if args.checkpoint_every < 0:
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.data_root is not None and not Path(args.data_root).is_dir():
         parser.error(f"--data-root {args.data_root}: no such folder")

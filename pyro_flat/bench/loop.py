@@ -48,7 +48,7 @@ from .files import (
     output_lock,
     remove_stale_temporaries,
 )
-from .state import DrawStore, Holder, get_state, move_tensors, random_state, set_random_state, set_state
+from .state import Holder, get_state, move_tensors, random_state, set_random_state, set_state
 from .streams import Batch, LoaderStream, TensorStream, stream_seed
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
     "TEMPORARY",
     "Batch",
     "CheckpointError",
-    "DrawStore",
     "Holder",
     "LoaderStream",
     "OutputFolderError",

@@ -418,7 +418,7 @@ def run_recipe(
     seeds: int | None = None,
     changes: Mapping[str, Any] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
-    checkpoint_every: int = 0,
+    checkpoint_every: int | None = None,
     resume: bool = False,
     progress: bool = True,
 ) -> None:

@@ -59,15 +59,16 @@ def run_and_report(
     out: Path,
     *,
     command: str,
-    checkpoint_every: int = 0,
+    checkpoint_every: int | None = None,
     resume: bool = False,
     progress: bool = True,
 ) -> list[RunRecord]:
-    """Run every method on every dataset for seeds ``0 .. seeds-1`` and write the table, JSON, per-epoch log and the
-    figures there are data for to ``out`` (rank 0), saying which files were written.
+    """Run every method on every dataset for the seeds ``0`` to ``seeds - 1`` and write the table, JSON, per-epoch
+    log and the figures there are data for to ``out`` (rank 0), saying which files were written.
 
     :param command: the command line that started the run, written with the results.
-    :param checkpoint_every: steps between checkpoints (in ``out/checkpoints``; 0: only at the end of each phase).
+    :param checkpoint_every: steps between checkpoints (in ``out/checkpoints``; 0: only at the end of each phase;
+        ``None``, the default: no checkpoints unless ``resume``).
         Checkpoints are written when it is set or with ``resume``.
     :param resume: continue a killed run from ``out/checkpoints``, exactly where it stopped.
     :param progress: show progress bars.
@@ -76,9 +77,9 @@ def run_and_report(
     rank = world()[0]
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    checkpoints = out / "checkpoints" if (checkpoint_every or resume) else None
+    checkpoints = out / "checkpoints" if (checkpoint_every is not None or resume) else None
     records = run_benchmark(datasets, methods, list(range(seeds)), config, progress=progress,
-                            checkpoint_dir=checkpoints, checkpoint_every=checkpoint_every, resume=resume,
+                            checkpoint_dir=checkpoints, checkpoint_every=checkpoint_every or 0, resume=resume,
                             metrics_log=out / "metrics.jsonl")
     if is_distributed():
         dist.barrier()

@@ -48,17 +48,16 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
-from ..infer.mcmc import SGLD, EntropyMCMC, StochasticGradientKernel
+from ..infer.mcmc import SGLD, DrawBuffer, EntropyMCMC, StochasticGradientKernel
 from ..nn import init_to_network
 from ..transforms import local_entropy_draws, sharpness_aware
 from .flat_seeking import cheaper_step_options
 from .problem import Posterior, Problem
 from .registry import register_method
 from .schedules import CyclicalStepSize
-from .state import DrawStore, Holder
+from .state import Holder
 
 __all__ = ["run_sgmcmc", "fit_sgld", "fit_f_sgld", "fit_csgld", "fit_emcmc"]
 
@@ -84,7 +83,9 @@ def run_sgmcmc(
     :param model: the network (checkpointed with the chain: its BatchNorm statistics, learned weights).
     :param state: further objects the transitions change (e.g. the schedule of a sharpness-aware model's LookSAM or
         RST), checkpointed with the chain.
-    :returns: the samples ``{site: [num_samples, ...]}`` in constrained space.
+    :returns: the samples ``{site: [num_samples, ...]}`` in constrained space, kept in a
+        :class:`~pyro_flat.infer.mcmc.DrawBuffer` (one copy per draw; in files under the run's checkpoint folder when
+        it has one, so that a checkpoint holds only their number).
     """
     if problem.distributed:
         raise ValueError("the SG-MCMC methods run in one process: their kernels do not all-reduce gradients "
@@ -102,8 +103,8 @@ def run_sgmcmc(
     chain = Holder(kernel.initial_params)
     names = kernel.save_params
     ctx = problem.context
-    draws = DrawStore(None if ctx.directory is None else ctx.directory / "draws", writer=ctx.is_writer,
-                      device=problem.data.device)
+    directory = ctx.directory / "draws" if ctx.directory is not None and ctx.is_writer else None
+    draws = DrawBuffer(num_samples, sites=names, directory=directory)  # rows allocated once, files if checkpointed
     objects = {"model": model, "kernel": kernel, "chain": chain, "draws": draws, **(state or {})}
     loop = problem.loop(num_steps, objects, name="kernel")
     is_draw = set(draw_steps)
@@ -111,10 +112,10 @@ def run_sgmcmc(
         kernel.set_model_args(*args, **kwargs)
         chain.value = kernel.sample(chain.value)
         if step in is_draw:
-            draws.add({name: kernel.transforms[name].inv(chain.value[name]).detach() for name in names})
+            draws(kernel, chain.value, "Sample", step)  # MCMC's hook: constrained values into the next row
     kernel.diagnostics()  # raises if the chain diverged since the last check
     kernel.cleanup()
-    return {name: torch.stack([d[name] for d in draws.draws]) for name in names}
+    return {name: value.to(problem.data.device) for name, value in draws.samples().items()}
 
 
 def _draw_steps(kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int) -> list[int]:

@@ -1,23 +1,21 @@
 """The state of what a harness loop looks after: reading and restoring each object's state, the random states, moving
-a checkpoint's tensors to the run's device, finding a non-finite tensor, and the two holders a loop checkpoints
-(:class:`Holder`, :class:`DrawStore`)."""
+a checkpoint's tensors to the run's device, finding a non-finite tensor, and the holder of a value a loop checkpoints
+(:class:`Holder`; the SG-MCMC draws go to a :class:`~pyro_flat.infer.mcmc.DrawBuffer`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 
-import numpy as np
 import pyro
 import pyro.optim
 import torch
 from torch import Tensor
 
+from .._internals import optimizer_states_not_consumed
 from .._validation import all_true
-from .files import atomic_save, load_checkpoint
+from ..runtime.rng import random_state, set_random_state  # the harness's random states, saved with a checkpoint
 
 __all__ = [
-    "DrawStore",
     "Holder",
     "first_non_finite",
     "get_state",
@@ -33,7 +31,7 @@ def get_state(obj: object) -> object:
     used yet."""
     if isinstance(obj, pyro.optim.PyroOptim):
         # states loaded but not yet consumed (no step since the resume) are part of the state
-        return {**getattr(obj, "_state_waiting_to_be_consumed", {}), **obj.get_state()}
+        return {**optimizer_states_not_consumed(obj), **obj.get_state()}
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
     raise TypeError(f"cannot checkpoint a {type(obj).__name__}: it has no state_dict()")
@@ -45,25 +43,6 @@ def set_state(obj: object, state: object) -> None:
         obj.set_state(state)
     else:
         obj.load_state_dict(state)
-
-
-def random_state() -> dict:
-    """torch's, Python's, NumPy's (its key as an int64 tensor, so that a weights-only load reads it) and CUDA's
-    random states."""
-    state = pyro.util.get_rng_state()
-    name, key, position, has_gauss, cached = state["numpy"]
-    state["numpy"] = (name, torch.from_numpy(key.astype(np.int64)), int(position), int(has_gauss), float(cached))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_random_state(state: Mapping) -> None:
-    """Restore a state of :func:`random_state`."""
-    name, key, position, has_gauss, cached = state["numpy"]
-    pyro.util.set_rng_state({**state, "numpy": (name, key.numpy().astype(np.uint32), position, has_gauss, cached)})
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def move_tensors(obj: object, device: torch.device) -> object:
@@ -111,36 +90,3 @@ class Holder:
 
     def load_state_dict(self, state: Mapping) -> None:
         self.value = state["value"]
-
-
-class DrawStore:
-    """The posterior draws a loop collects: kept in memory and, with a ``directory``, each written once to its own
-    file (``draw_000000.pt``, ...), so that a checkpoint holds only their number, not the weights of every draw.
-
-    :param directory: where the draw files go (``None``: the checkpoints hold the draws themselves).
-    :param writer: whether this process writes files.
-    :param device: where draws read back from the files go.
-    """
-
-    def __init__(self, directory: Path | None, *, writer: bool = True, device: torch.device | None = None) -> None:
-        self.directory, self.writer, self.device = directory, writer, device
-        self.draws: list[dict[str, Tensor]] = []
-        if directory is not None and writer:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-
-    def _path(self, k: int) -> Path:
-        return Path(self.directory) / f"draw_{k:06d}.pt"
-
-    def add(self, draw: dict[str, Tensor]) -> None:
-        if self.directory is not None and self.writer:
-            atomic_save(draw, self._path(len(self.draws)))
-        self.draws.append(draw)
-
-    def state_dict(self) -> dict:
-        return {"count": len(self.draws)} if self.directory is not None else {"draws": list(self.draws)}
-
-    def load_state_dict(self, state: Mapping) -> None:
-        if "draws" in state:
-            self.draws = list(state["draws"])
-        else:
-            self.draws = [load_checkpoint(self._path(k), map_location=self.device) for k in range(state["count"])]

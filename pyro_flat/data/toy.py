@@ -30,7 +30,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from .._validation import check_int
+from .._validation import check_int, check_real
 from .datasets import ClassificationData, RegressionData
 
 __all__ = [
@@ -52,9 +52,7 @@ def _resolve(device: torch.device | str | None, dtype: torch.dtype | None) -> tu
 
 
 def _check_positive(owner: str, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, float | int) or not (0 < value < math.inf):
-        raise ValueError(f"{owner}: expected {name} to be a finite number > 0, got {value!r}")
-    return float(value)
+    return check_real(value, name, low=0, low_open=True, owner=owner)
 
 
 def _flat_prior(dim: int, device: torch.device, dtype: torch.dtype) -> dist.TorchDistribution:
@@ -111,8 +109,7 @@ def two_moons(
     owner = "two_moons"
     check_int(num_data, "num_data", minimum=2, owner=owner)
     check_int(num_test, "num_test", minimum=2, owner=owner)
-    if isinstance(noise, bool) or not isinstance(noise, float | int) or not (0 <= noise < math.inf):
-        raise ValueError(f"{owner}: expected noise to be a finite number >= 0, got {noise!r}")
+    check_real(noise, "noise", low=0, owner=owner)
     device, dtype = _resolve(device, dtype)
     generator = torch.Generator().manual_seed(seed)
     x_train, y_train = _moons(num_data, noise, generator)
@@ -248,9 +245,8 @@ class SharpFlatEnergy:
             )
         self.sharp_scale = _check_positive(owner, "sharp_scale", sharp_scale)
         self.flat_scale = _check_positive(owner, "flat_scale", flat_scale)
-        if isinstance(sharp_weight, bool) or not isinstance(sharp_weight, float | int) or not 0 < sharp_weight < 1:
-            raise ValueError(f"{owner}: expected sharp_weight in (0, 1), got {sharp_weight!r}")
-        self.sharp_weight = float(sharp_weight)
+        self.sharp_weight = check_real(sharp_weight, "sharp_weight", low=0, high=1, low_open=True, high_open=True,
+                                       owner=owner)
 
     @property
     def dim(self) -> int:

@@ -28,7 +28,6 @@ Python loop (``MCMC(num_chains=K)``, or K separate fits) for it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import pyro
@@ -36,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.distributions.transforms import Transform
 
-from .._validation import check_int
+from .._validation import check_int, check_real
 from ..ops.diffusions import langevin_step
 from ..ops.sam import check_radius, sam_perturbation
 from .mcmc.base import ModelPotential, initialize_sg_model
@@ -155,10 +154,8 @@ class BatchedSGLD:
         transforms: Mapping[str, Transform] | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        if isinstance(step_size, bool) or not (isinstance(step_size, (int, float)) and 0 < step_size < math.inf):
-            raise ValueError(f"`step_size` must be a finite number > 0, got {step_size!r}")
-        if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
-            raise ValueError(f"`temperature` must be a finite number >= 0, got {temperature!r}")
+        check_real(step_size, "step_size", low=0, low_open=True)
+        check_real(temperature, "temperature", low=0)
         self.num_chains = _check_particles(particles)
         self.potential = BatchedPotential(model, transforms)
         self.particles = {n: v.detach().clone() for n, v in particles.items()}

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..metrics import StreamingBMA
 from ..nn.batchnorm import has_batchnorm, refresh_batchnorm
-from .util import latent_sites
+from ..runtime.sites import latent_sites
 
 Draw = Mapping[str, Tensor]
 

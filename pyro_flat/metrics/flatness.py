@@ -24,6 +24,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .._internals import is_deterministic_record
 from ..ops import hessian as _hessian
 
 Params = Mapping[str, Tensor] | Sequence[Tensor]
@@ -142,7 +143,7 @@ def model_loss_fn(
             raise ValueError(f"`theta` must give a value to every latent site; missing: {latent}")
         total, count = 0.0, 0
         for name, site in sample_sites.items():
-            if name in theta or site_is_subsample(site) or site["infer"].get("_deterministic", False):
+            if name in theta or site_is_subsample(site) or is_deterministic_record(site):
                 continue  # latents, plate indices and pyro.deterministic records are not observations
             term = _sum_and_count(site)
             if term is not None:

@@ -15,6 +15,10 @@ from pyro import poutine
 from torch import Tensor, nn
 from torch.optim.swa_utils import update_bn
 
+from ..runtime.batchnorm import has_batchnorm
+
+__all__ = ["has_batchnorm", "refresh_batchnorm"]
+
 
 class _ConditionedNet(nn.Module):
     """Runs ``model`` with its latent sites fixed to ``latents``, as a plain ``nn.Module`` for ``update_bn``."""
@@ -26,11 +30,6 @@ class _ConditionedNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return poutine.condition(self.model, data=self.latents)(x)
-
-
-def has_batchnorm(model: nn.Module) -> bool:
-    """Whether ``model`` contains a BatchNorm layer (whose running statistics depend on the weights)."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def refresh_batchnorm(

@@ -33,11 +33,14 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
+from .._internals import BatchNormBase, InstanceNormBase
+from .._validation import check_real
+
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._BatchNorm,
+    BatchNormBase,
     nn.GroupNorm,
     nn.LayerNorm,
-    nn.modules.instancenorm._InstanceNorm,
+    InstanceNormBase,
 )
 """Module types treated as normalisation layers by ``random="norm_and_head"``."""
 
@@ -130,8 +133,7 @@ def make_bayesian(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be a torch.nn.Module, got {type(module).__name__}")
-    if not (isinstance(prior_scale, (int, float)) and prior_scale > 0 and prior_scale != float("inf")):
-        raise ValueError(f"`prior_scale` must be a finite number > 0, got {prior_scale!r}")
+    check_real(prior_scale, "prior_scale", low=0, low_open=True)
     if prior_loc not in ("zero", "current"):
         raise ValueError(f"`prior_loc` must be 'zero' or 'current', got {prior_loc!r}")
     if rest not in ("frozen", "learned"):

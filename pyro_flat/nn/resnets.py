@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from .._validation import check_int
+from .._validation import check_int, check_real
 
 __all__ = ["NORMS", "norm_layer", "preresnet", "resnet18", "wide_resnet"]
 
@@ -49,9 +49,7 @@ def norm_layer(norm: str, groups: int = 32) -> Callable[[int], nn.Module]:
 
 
 def _check_dropout(dropout: float) -> float:
-    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
-        raise ValueError(f"`dropout` must be in [0, 1), got {dropout!r}")
-    return float(dropout)
+    return check_real(dropout, "dropout", low=0, high=1, high_open=True)
 
 
 def _init(net: nn.Module) -> nn.Module:

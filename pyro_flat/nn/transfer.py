@@ -32,7 +32,7 @@ import math
 import torch
 from torch import nn
 
-from .._validation import check_int
+from .._validation import check_int, check_real
 from .bayesian import (
     _PRIOR_LOC,
     _PRIOR_SCALE,
@@ -117,8 +117,7 @@ def bayesian_transfer(
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"`net` must be a torch.nn.Module, got {type(net).__name__}")
-    if not (isinstance(head_prior_scale, (int, float)) and 0 < head_prior_scale < math.inf):
-        raise ValueError(f"`head_prior_scale` must be a finite number > 0, got {head_prior_scale!r}")
+    check_real(head_prior_scale, "head_prior_scale", low=0, low_open=True)
     net = copy_module.deepcopy(net) if copy else net
     head = head_module_name(net) if head is None else head
     if new_head:
@@ -180,8 +179,7 @@ class SWAGFrozenSampler:
         *,
         scale: float = 0.5,
     ) -> None:
-        if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
-            raise ValueError(f"SWAGFrozenSampler: `scale` must be a finite number > 0, got {scale!r}")
+        check_real(scale, "scale", low=0, low_open=True, owner="SWAGFrozenSampler")
         net = model.net
         buffers = dict(net.named_buffers())
         unknown = [name for name in mean if name not in buffers]

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._validation import check_int, check_real
 from .tree import global_norm, tree_dot
 
 SAM_STEP = "sam"
@@ -111,25 +112,9 @@ def sharpness_sensitive_selection(losses: Tensor, perturbed_losses: Tensor, gamm
     return torch.topk(increase, selection_size(len(increase), gamma), sorted=False).indices.sort().values
 
 
-def _check_int(owner: str, name: str, value: object, low: int) -> int:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-        raise ValueError(f"{owner}: `{name}` must be an int >= {low}, got {value!r}")
-    return value
-
-
-def _check_number(owner: str, name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{owner}: `{name}` must be a number in {bracket}{low}, {high}], got {value!r}")
-    return float(value)
-
-
 def check_esam_gamma(owner: str, gamma: object) -> float:
     r"""ESAM's :math:`\gamma\in(0,1]` as a float, or a ``ValueError`` naming ``owner``."""
-    return _check_number(owner, "esam_gamma", gamma, 0.0, 1.0, low_open=True)
+    return check_real(gamma, "esam_gamma", low=0.0, high=1.0, low_open=True, owner=owner)
 
 
 class SharpnessSchedule:
@@ -161,11 +146,11 @@ class SharpnessSchedule:
         rst_seed: int | None = None,
     ) -> None:
         self.owner = owner
-        self.looksam_k = _check_int(owner, "looksam_k", looksam_k, 1)
-        self.looksam_alpha = _check_number(owner, "looksam_alpha", looksam_alpha, 0.0, math.inf)
-        self.rst_p = _check_number(owner, "rst_p", rst_p, 0.0, 1.0)
+        self.looksam_k = check_int(looksam_k, "looksam_k", minimum=1, owner=owner)
+        self.looksam_alpha = check_real(looksam_alpha, "looksam_alpha", low=0.0, owner=owner)
+        self.rst_p = check_real(rst_p, "rst_p", low=0.0, high=1.0, owner=owner)
         if rst_seed is not None:
-            _check_int(owner, "rst_seed", rst_seed, 0)
+            check_int(rst_seed, "rst_seed", minimum=0, owner=owner)
         if self.looksam_k > 1 and self.rst_p < 1:
             raise ValueError(
                 f"{owner}: LookSAM (looksam_k={looksam_k}) and RST (rst_p={rst_p}) each decide which steps take the "

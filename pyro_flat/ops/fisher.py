@@ -58,8 +58,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .._validation import check_int
-from .low_rank import low_rank_covariance_product
+from .._validation import check_int, check_real
+from .low_rank import low_rank_covariance_product, row_dot
 from .sam import check_radius
 from .tree import global_norm, tree_dot
 
@@ -122,15 +122,17 @@ def low_rank_gaussian_inverse_fisher_product(
     :param scale: the diagonal standard deviations :math:`s`.
     :param scale_derivative: :math:`T'(u)`.
     :param factor: the relative factor :math:`V`, shape ``[P, K]``.
+
+    The only :math:`P\times K` tensor made is the factor's direction (row-wise products are reduced block by block).
     """
     loc_part = None if grad_loc is None else low_rank_covariance_product(scale, factor, grad_loc)
     coupling = scale_derivative / scale  # T'/s
     if grad_scale is None:
         return loc_part, None, grad_factor
     if grad_factor is None:
-        return loc_part, grad_scale / (coupling.square() * (factor.square().sum(-1) + 2)), None
-    scale_part = (grad_scale - coupling * (factor * grad_factor).sum(-1)) / (2 * coupling.square())
-    factor_part = grad_factor - (coupling * scale_part).unsqueeze(-1) * factor
+        return loc_part, grad_scale / (coupling.square() * (row_dot(factor, factor) + 2)), None
+    scale_part = (grad_scale - coupling * row_dot(factor, grad_factor)) / (2 * coupling.square())
+    factor_part = torch.addcmul(grad_factor, (coupling * scale_part).unsqueeze(-1), factor, value=-1)
     return loc_part, scale_part, factor_part
 
 
@@ -205,8 +207,7 @@ def conjugate_gradient(
     :returns: :math:`x`, shaped like ``b``.
     """
     check_int(iterations, "iterations", owner="conjugate_gradient")
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0 <= damping < math.inf:
-        raise ValueError(f"conjugate_gradient: `damping` must be a finite number >= 0, got {damping!r}")
+    check_real(damping, "damping", low=0, owner="conjugate_gradient")
     b = [t.detach() for t in b]
     fb = matvec(b)
     bb = tree_dot(b, b)

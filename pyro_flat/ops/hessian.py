@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .._validation import check_int
+from .._validation import check_int, check_real
 from .sam import check_radius, sam_perturbation
 from .tree import flatten, unflatten_like
 
@@ -207,8 +207,7 @@ def _check_lanczos_args(k: int, num_iters: int, tol: float, num_params: int) -> 
         raise ValueError(f"`k` must be <= the number of parameters ({num_params}), got {k}")
     if k > num_iters:
         raise ValueError(f"`num_iters` must be >= k ({k}) to find k eigenvalues, got {num_iters}")
-    if not (isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0 < tol < float("inf")):
-        raise ValueError(f"`tol` must be a finite number > 0, got {tol!r}")
+    check_real(tol, "tol", low=0, low_open=True)
 
 
 def top_hessian_eigenpairs(

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from .._validation import check_real
 from .tree import global_norm
 
 
@@ -60,11 +61,7 @@ def check_radius(rho: float, name: str = "rho") -> float:
         if rho.numel() != 1:
             raise ValueError(f"`{name}` must be a scalar, got a tensor of shape {tuple(rho.shape)}")
         rho = float(rho)
-    if not isinstance(rho, (int, float)) or isinstance(rho, bool):
-        raise ValueError(f"`{name}` must be a finite number >= 0, got {rho!r}")
-    if not (rho >= 0 and rho != float("inf")):
-        raise ValueError(f"`{name}` must be a finite number >= 0, got {rho!r}")
-    return float(rho)
+    return check_real(rho, name, low=0)
 
 
 __all__ = ["sam_perturbation", "check_radius"]

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from ..infer.replay import RunRecorder
+from .._validation import check_real  # noqa: F401  (where the optimizers imported it from)
+from ..runtime.replay import RunRecorder
 
 Closure = Callable[[], Tensor | None]
 """A closure: evaluates the (mean) minibatch loss at the current parameters and calls ``backward()`` on it."""
-
-
-def check_real(owner: str, name: str, value: object, *, low: float, low_inclusive: bool = True,
-               high: float = math.inf, high_inclusive: bool = False) -> float:
-    """``value`` as a float, or a ``ValueError`` naming ``owner``'s argument ``name`` and the accepted range."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value >= low if low_inclusive else value > low) and (value <= high if high_inclusive else value < high)
-    if not ok:
-        left, right = "[" if low_inclusive else "(", "]" if high_inclusive else ")"
-        raise ValueError(f"{owner}: `{name}` must be a finite number in {left}{low}, {high}{right}, got {value!r}")
-    return float(value)
 
 
 def as_closures(owner: str, closure: Closure | Sequence[Closure] | None) -> list[Closure]:

@@ -199,14 +199,14 @@ class BayesianSAM(Optimizer):
     @staticmethod
     def _check_group(group: Mapping[str, Any]) -> None:
         owner = "BayesianSAM"
-        check_real(owner, "lr", group["lr"], low=0, low_inclusive=False)
-        check_real(owner, "num_data", group["num_data"], low=0, low_inclusive=False)
-        check_real(owner, "rho", group["rho"], low=0)
-        check_real(owner, "prior_precision", group["prior_precision"], low=0)
-        check_real(owner, "damping", group["damping"], low=0)
-        check_real(owner, "beta1", group["beta1"], low=0, high=1)
-        check_real(owner, "beta2", group["beta2"], low=0, high=1)
-        check_real(owner, "init_scale", group["init_scale"], low=0, low_inclusive=False)
+        check_real(group["lr"], "lr", low=0, low_open=True, owner=owner)
+        check_real(group["num_data"], "num_data", low=0, low_open=True, owner=owner)
+        check_real(group["rho"], "rho", low=0, owner=owner)
+        check_real(group["prior_precision"], "prior_precision", low=0, owner=owner)
+        check_real(group["damping"], "damping", low=0, owner=owner)
+        check_real(group["beta1"], "beta1", low=0, high=1, high_open=True, owner=owner)
+        check_real(group["beta2"], "beta2", low=0, high=1, high_open=True, owner=owner)
+        check_real(group["init_scale"], "init_scale", low=0, low_open=True, owner=owner)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

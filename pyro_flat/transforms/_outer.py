@@ -20,15 +20,17 @@ from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.do_messenger import DoMessenger
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.reparam_messenger import ReparamMessenger
-from pyro.poutine.runtime import _PYRO_STACK
+
+from .._internals import blocks, handler_stack
 
 _PROBE = "__pyro_flat_probe__"
 
 
 def _outer_frames(transform: Messenger) -> list[Messenger]:
     """The frames entered before ``transform``, from the innermost outwards (the order apply_stack runs them)."""
-    index = next(i for i, frame in enumerate(_PYRO_STACK) if frame is transform)
-    return list(reversed(_PYRO_STACK[:index]))
+    stack = handler_stack()
+    index = next(i for i, frame in enumerate(stack) if frame is transform)
+    return list(reversed(stack[:index]))
 
 
 def hidden_outside(transform: Messenger, msg: dict, owner: str) -> bool:
@@ -51,8 +53,8 @@ def hidden_outside(transform: Messenger, msg: dict, owner: str) -> bool:
                 "config), ...)"
             )
         if isinstance(frame, BlockMessenger):
-            hides_everything = frame.hide_fn({**msg, "name": _PROBE, "is_observed": False, "value": None})
-            if not hides_everything and frame.hide_fn(msg):
+            hides_everything = blocks(frame, {**msg, "name": _PROBE, "is_observed": False, "value": None})
+            if not hides_everything and blocks(frame, msg):
                 return True
     return False
 

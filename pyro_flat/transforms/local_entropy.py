@@ -56,7 +56,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Literal
 
@@ -67,8 +66,9 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor
 from torch.distributions import biject_to, constraints
 
-from ..infer.util import is_latent_site
+from .._validation import check_real
 from ..ops.diffusions import coupling_potential
+from ..runtime.sites import is_latent_site
 from ._outer import hidden_outside, outer_conditions
 
 __all__ = [
@@ -96,17 +96,13 @@ def anchor_name(name: str) -> str:
 
 
 def _check_eta(eta: object, owner: str) -> float:
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 < eta < math.inf:
-        raise ValueError(f"{owner}: expected eta to be a finite number > 0, got {eta!r}")
-    return float(eta)
+    return check_real(eta, "eta", low=0, low_open=True, owner=owner)
 
 
 def _check_optional_scale(scale: object, owner: str) -> float | None:
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise ValueError(f"{owner}: expected anchor_prior_scale to be None or a finite number > 0, got {scale!r}")
-    return float(scale)
+    return check_real(scale, "anchor_prior_scale", low=0, low_open=True, owner=owner)
 
 
 def _sum_event(x: Tensor, event_dim: int) -> Tensor:

@@ -105,9 +105,6 @@ from torch.distributions.transforms import Transform
 
 from .._validation import all_true
 from ..distributed import all_reduce_mean, check_distributed
-from ..infer.compiled import CaptureError, is_capturing
-from ..infer.replay import RunRecorder
-from ..infer.util import is_deterministic_site, is_latent_site, is_real_support, warn_nothing_to_perturb
 from ..ops.efficient_sam import (
     BASE_STEP,
     DEFAULT_LOOKSAM_ALPHA,
@@ -118,6 +115,9 @@ from ..ops.efficient_sam import (
     looksam_gradient,
 )
 from ..ops.sam import check_radius, sam_perturbation
+from ..runtime.capture import CaptureError, is_capturing
+from ..runtime.replay import RunRecorder
+from ..runtime.sites import is_deterministic_site, is_latent_site, is_real_support, warn_nothing_to_perturb
 from ._outer import hidden_outside
 
 LOG_LIKELIHOOD_SITE = "sharpness_aware_log_likelihood"

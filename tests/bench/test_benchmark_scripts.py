@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("bayesian_sam.py", ["--repeats", "1", "--steps", "1", "--out", "{tmp}/bayesian_sam.md"], "SWAGCollector"),
         ("bsam_two_moons.py", ["--epochs", "2", "--samples", "2", "--out", "{tmp}"], "bSAM"),
+        ("draws_kept.py", ["--repeats", "1", "--draws", "3", "--jit-backend", "none", "--out", "{tmp}/d.md"],
+         "same seed: equal"),
         ("entropy_mcmc_constrained.py", ["--smoke", "--out", "{tmp}/emc.md"], "Entropy-MCMC anchors"),
         ("harness_epoch.py", ["--methods", "map", "--num-data", "64", "--batch", "32", "--width", "2", "--epochs", "2",
                               "--repeats", "1", "--variants", "device", "--out", "{tmp}/h.md"], "| map | device |"),

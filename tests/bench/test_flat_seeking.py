@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from pyro_flat.bench import METHODS, RunConfig
 from pyro_flat.bench.flat_seeking import DEFAULT_RHO, sharpness_aware_loss
@@ -69,3 +70,45 @@ def test_compiled_runs_reproduce_the_eager_runs(method, monkeypatch):
     assert len(made) == 1 and made[0]._compiled.captures()  # the compiled path trained the method
     for key in ("acc", "nll", "ece", "lambda_max"):
         assert compiled.metrics[key] == pytest.approx(eager.metrics[key], rel=1e-5, abs=1e-7)
+
+
+def test_cheaper_step_options_reach_the_objectives_and_optimizers():
+    from pyro_flat.bench.trajectory import _cheaper_steps
+
+    options = {"sam": {"looksam_k": 5, "looksam_alpha": 0.5}, "f_vi": {"rst_p": 0.3},
+               "sam_torch": {"esam_gamma": 0.5, "rst_p": 0.25}}
+    problem = Problem(load_digits(), TINY.replace(options=options))
+    schedule = sharpness_aware_loss(problem, "sam").schedule
+    assert (schedule.looksam_k, schedule.looksam_alpha, schedule.rst_p) == (5, 0.5, 1.0)
+    assert sharpness_aware_loss(problem, "f_vi").schedule.rst_p == 0.3
+    assert not sharpness_aware_loss(problem, "f_mc_dropout").schedule.active  # the defaults: the ascent every step
+    assert _cheaper_steps(problem, "sam_torch") == {"esam_gamma": 0.5, "rst_p": 0.25}
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"sam": {"looksam_k": 0}}, "sam.looksam_k must be an int >= 1"),
+    ({"sam": {"rst_p": 1.2}}, r"sam.rst_p must be a number in \[0, 1\]"),
+    ({"sam_torch": {"esam_gamma": 0.0}}, r"sam_torch.esam_gamma must be a number in \(0, 1\]"),
+    ({"sam": {"esam_gamma": 0.5}}, "method 'sam' has no option 'esam_gamma'"),
+])
+def test_bad_cheaper_step_options_are_refused_before_a_run(options, match):
+    from pyro_flat.bench.options import check_option_values
+    from pyro_flat.bench.registry import check_method_options
+
+    config = TINY.replace(options=options)
+    with pytest.raises(ValueError, match=match):
+        check_method_options(config.options)
+        check_option_values(config)
+
+
+@pytest.mark.parametrize(("method", "options", "kill_at"), [
+    ("sam", {"rst_p": 0.5}, 23), ("sam", {"looksam_k": 3}, 17), ("f_sgld", {"looksam_k": 4}, 19),
+    ("sam_torch", {"esam_gamma": 0.5, "rst_p": 0.5}, 13), ("bsam", {"looksam_k": 3}, 11),
+])
+def test_resume_with_cheaper_steps_is_exact(method, options, kill_at, tmp_path, monkeypatch):
+    # the schedule (steps taken, RST's random state, LookSAM's directions) is checkpointed with the rest
+    from tests.bench.test_loop import _uninterrupted_and_resumed
+
+    config = TINY.replace(num_epochs=4, options={method: options})
+    reference, resumed = _uninterrupted_and_resumed(method, kill_at, config, tmp_path, monkeypatch)
+    assert resumed.metrics == reference.metrics and torch.equal(resumed.test_probs, reference.test_probs)

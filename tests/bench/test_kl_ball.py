@@ -5,22 +5,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from pyro_flat.bench import METHODS, RunConfig
 from pyro_flat.bench.runner import run_one
 
 TINY = RunConfig(hidden=(32,), num_epochs=4, lr=1e-2, num_bma_samples=4, lambda_max_draws=1, lambda_max_points=64,
                  lambda_max_iters=10, options={"sa_bma": {"rank": 2}})
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny networks: with a thread per core, pytest -n 2 on a busy 2-core machine spends its time contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_methods_are_registered_with_their_baselines():

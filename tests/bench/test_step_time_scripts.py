@@ -116,3 +116,19 @@ def test_gpu_check_runs_every_part_on_a_cpu(tmp_path):
     assert "## CUDA tests" in text and "## Steps" in text and "## Harness" in text and "exit code 0" in text
     rows = [line for line in text.splitlines() if line.startswith(("| MAP |", "| SGLD |"))]
     assert len(rows) == 12 and "failed" not in text and "differs" not in text
+
+
+def test_cheaper_steps_script_counts_the_ascents_and_checks_the_full_step(tmp_path):
+    """benchmarks/efficient_sam_steps.py at a tiny size: LookSAM k=5 took the ascent on exactly one step in five of
+    the timed ones, and the full SharpnessAwareELBO step equals the hand-written one in float64."""
+    spec = importlib.util.spec_from_file_location("efficient_sam_steps", BENCHMARKS / "efficient_sam_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.main(["--networks", "mlp", "--repeats", "1", "--steps", "5", "--warmup", "1",
+                        "--out", str(tmp_path / "e.md")])
+    ratios = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if "(× " in line}
+    assert ratios["SharpnessAwareELBO looksam_k=5"][3] == "1/5 (0.20) |"
+    assert ratios["SAM(SGD) looksam_k=5"][3] == "1/5 (0.20) |"
+    checks = dict(pair.rsplit(" ", 1) for pair in text.split("float64): ")[1].split(".\n")[0].split("; "))
+    assert max(float(v.rstrip(".")) for v in checks.values()) < 1e-10
+    assert "nan" not in text.lower()

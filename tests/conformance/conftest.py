@@ -10,18 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 _RECORDS: list[dict] = []
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread per pytest-xdist worker."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Outcome:

@@ -11,7 +11,8 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 
-from pyro_flat.infer import KLBallELBO, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO, latent_supports
+from pyro_flat.infer import KLBallELBO, latent_supports
+from pyro_flat.infer import elbo as objectives
 from pyro_flat.transforms import sharpness_aware
 
 from .catalogue import CASES, REPARAMETERISED, Case, X, Y, by_hand
@@ -28,11 +29,28 @@ class TraceOnSharpnessAware(Trace_ELBO):
         return super()._get_traces(sharpness_aware(model, self.rho), guide, args, kwargs)
 
 
+def exported_objectives() -> dict[str, tuple]:
+    """Every flat objective :mod:`pyro_flat.infer.elbo` exports, ``{name: (class, the Pyro ELBO it is at radius 0)}``
+    (not the on-device bases of ``trace_elbo.py`` nor the compiled twins of ``jit.py``, which ``test_compiled.py``
+    covers): a new objective is in this suite once it is exported. Its first argument is its radius."""
+    found = {}
+    for name in objectives.__all__:
+        cls = getattr(objectives, name)
+        if cls.__module__.rsplit(".", 1)[-1] not in ("trace_elbo", "jit"):
+            found[name] = (cls, next(c for c in cls.__mro__ if c.__module__.startswith("pyro.infer.")))
+    return found
+
+
+VARIANTS = {
+    "KLBallELBO": {"KLBallELBO (Fisher)": (KLBallELBO, Trace_ELBO),
+                   "KLBallELBO (normalised score)": (
+                       lambda r, **kw: KLBallELBO(r, direction="normalized_score", **kw), Trace_ELBO)},
+}
+"""The objectives run under several names, one per option (the rest run under their own name only)."""
+
 OBJECTIVES = {
-    "SharpnessAwareELBO": (SharpnessAwareELBO, Trace_ELBO),
-    "SharpnessAwareMeanFieldELBO": (SharpnessAwareMeanFieldELBO, TraceMeanField_ELBO),
-    "KLBallELBO (Fisher)": (KLBallELBO, Trace_ELBO),
-    "KLBallELBO (normalised score)": (lambda r, **kw: KLBallELBO(r, direction="normalized_score", **kw), Trace_ELBO),
+    **{variant: entry for name, objective in exported_objectives().items()
+       for variant, entry in VARIANTS.get(name, {name: objective}).items()},
     "Trace_ELBO on sharpness_aware": (TraceOnSharpnessAware, Trace_ELBO),
 }
 
@@ -75,6 +93,13 @@ class _both:
 
 def applies(method: str, case: Case) -> bool:
     return case.mean_field or method != "SharpnessAwareMeanFieldELBO"
+
+
+def test_the_suite_finds_the_exported_objectives_and_their_bases():
+    found = exported_objectives()
+    assert {"SharpnessAwareELBO", "SharpnessAwareMeanFieldELBO", "KLBallELBO"} <= set(found)
+    assert found["SharpnessAwareMeanFieldELBO"][1] is TraceMeanField_ELBO and found["KLBallELBO"][1] is Trace_ELBO
+    assert not any(name.startswith(("Jit", "Tensor")) for name in found)
 
 
 PAIRS = [(m, c) for m in OBJECTIVES for c in CASES if applies(m, c)]

@@ -80,7 +80,7 @@ def test_two_moons_matches_sklearn_without_noise():
 def test_two_moons_errors():
     with pytest.raises(ValueError, match="`num_data` must be an int >= 2"):
         two_moons(num_data=1)
-    with pytest.raises(ValueError, match="noise to be a finite number >= 0"):
+    with pytest.raises(ValueError, match="`noise` must be a finite number >= 0"):
         two_moons(noise=-0.1)
 
 
@@ -180,9 +180,9 @@ def test_sharp_flat_model_posterior_is_exp_minus_u():
 def test_sharp_flat_dtype_and_errors():
     energy = SharpFlatEnergy(dtype=torch.float32)
     assert energy.sharp_mode.dtype == energy.sample(3).dtype == energy.covariance.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"sharp_weight in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"`sharp_weight` must be a number in \(0, 1\)"):
         SharpFlatEnergy(sharp_weight=1.0)
-    with pytest.raises(ValueError, match="sharp_scale to be a finite number > 0"):
+    with pytest.raises(ValueError, match="`sharp_scale` must be a finite number > 0"):
         SharpFlatEnergy(sharp_scale=0.0)
     with pytest.raises(ValueError, match="vectors of one length D"):
         SharpFlatEnergy(flat_mean=(1.0, 2.0, 3.0))
@@ -253,7 +253,7 @@ def test_blr_predictive_with_batched_weights():
 def test_blr_dtype_and_errors():
     blr = BayesianLinearRegression.generate(10, 2, dtype=torch.float32)
     assert blr.x.dtype == blr.posterior_mean.dtype == blr.posterior_covariance.dtype == torch.float32
-    with pytest.raises(ValueError, match="alpha to be a finite number > 0"):
+    with pytest.raises(ValueError, match="`alpha` must be a finite number > 0"):
         BayesianLinearRegression(torch.randn(5, 2), torch.randn(5), alpha=0.0)
     with pytest.raises(ValueError, match=r"y of shape \[N\] = \[5\]"):
         BayesianLinearRegression(torch.randn(5, 2), torch.randn(4))

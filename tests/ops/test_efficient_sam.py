@@ -100,7 +100,7 @@ def test_state_round_trip_through_a_checkpoint_continues_the_choices():
 @pytest.mark.parametrize(("options", "match"), [
     ({"looksam_k": 0}, "`looksam_k` must be an int >= 1"),
     ({"looksam_k": True}, "`looksam_k` must be an int >= 1"),
-    ({"looksam_alpha": float("nan")}, "`looksam_alpha` must be a number in"),
+    ({"looksam_alpha": float("nan")}, "`looksam_alpha` must be a finite number >= 0"),
     ({"rst_p": -0.1}, "`rst_p` must be a number in"),
     ({"rst_p": 0.5, "rst_seed": -1}, "`rst_seed` must be an int >= 0"),
     ({"looksam_k": 2, "rst_p": 0.5}, "use one of them"),

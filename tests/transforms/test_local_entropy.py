@@ -88,7 +88,7 @@ def test_anchor_prior_scale_adds_a_gaussian_prior_on_the_anchors():
 
 @pytest.mark.parametrize("eta", [0.0, -1.0, float("inf"), float("nan"), "1", True])
 def test_eta_must_be_positive(eta):
-    with pytest.raises(ValueError, match="expected eta to be a finite number > 0"):
+    with pytest.raises(ValueError, match="`eta` must be a finite number > 0"):
         local_entropy(lambda: None, eta)
     with pytest.raises(ValueError, match="eta"):
         local_entropy_potential(lambda p: 0.0, eta)

@@ -28,23 +28,149 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn import PyroParam
 from torch import Tensor, nn
+from torch.distributions.utils import lazy_property
 
-from ...ops.low_rank import swag_to_low_rank
+from ...ops.low_rank import (
+    low_rank_capacitance_tril,
+    low_rank_log_prob,
+    low_rank_rsample,
+    low_rank_rsample_and_log_prob,
+    low_rank_variance,
+    row_dot,
+    swag_to_low_rank,
+)
 from ..util import is_real_support
 from .swag import SWAGCollector
 
-__all__ = ["AutoLowRankPlusDiagonalNormal"]
+__all__ = ["AutoLowRankPlusDiagonalNormal", "ScaledLowRankMultivariateNormal"]
+
+
+class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
+    r"""Pyro's :class:`~pyro.distributions.LowRankMultivariateNormal` given by its diagonal scale :math:`s` and
+    relative factor :math:`V`, :math:`\mathcal N(m,\ \mathrm{diag}(s)(I + VV^\top)\mathrm{diag}(s))` — the
+    distribution Pyro's ``AutoLowRankMultivariateNormal`` builds with the absolute factor :math:`W = \mathrm{diag}(s)V`
+    and :math:`D = s^2` — whose density, draws and their gradients make no :math:`P\times K` temporary
+    (:mod:`pyro_flat.ops.low_rank`): :math:`W` is not formed (only on demand, for the dense matrices and torch's KL
+    divergences), the capacitance is :math:`I + V^\top V`. Draws use torch's noise in torch's order, so a seed gives
+    the same draws as Pyro's distribution (up to rounding).
+
+    A draw made while autograd records the parameters is scored with it
+    (:func:`~pyro_flat.ops.low_rank.low_rank_rsample_and_log_prob`): :meth:`log_prob` of that very tensor — what an
+    ELBO asks for — returns the log-density computed with the draw, whose gradient in the parameters is the same and
+    whose backward pass gives the factor one gradient buffer instead of two. That log-density has no gradient in the
+    draw itself; ask for ``log_prob(value.detach())`` (or of any other tensor) to differentiate in the value.
+
+    :param loc: :math:`m`, shape ``[..., P]``.
+    :param scale: :math:`s > 0`, shape ``[..., P]``.
+    :param factor: :math:`V`, shape ``[..., P, K]``.
+    :param validate_args: as for every torch distribution.
+    """
+
+    arg_constraints = {
+        "loc": constraints.real_vector,
+        "scale": constraints.independent(constraints.positive, 1),
+        "factor": constraints.independent(constraints.real, 2),
+    }
+
+    def __init__(self, loc: Tensor, scale: Tensor, factor: Tensor, validate_args: bool | None = None) -> None:
+        if (loc.dim() < 1 or scale.dim() < 1 or factor.dim() < 2 or scale.shape[-1] != loc.shape[-1]
+                or factor.shape[-2] != loc.shape[-1]):
+            raise ValueError(
+                f"ScaledLowRankMultivariateNormal: expected loc [..., P], scale [..., P], factor [..., P, K]; got "
+                f"{tuple(loc.shape)}, {tuple(scale.shape)}, {tuple(factor.shape)}"
+            )
+        self._set(loc, scale, factor, torch.broadcast_shapes(loc.shape[:-1], scale.shape[:-1], factor.shape[:-2]))
+        self._scored: tuple[Tensor, Tensor] | None = None  # the last draw and its log-density
+        torch.distributions.Distribution.__init__(self, self.loc.shape[:-1], self.loc.shape[-1:], validate_args)
+
+    def _set(self, loc: Tensor, scale: Tensor, factor: Tensor, batch_shape: torch.Size) -> None:
+        self._params = (loc, scale, factor)  # unbroadcast: the arithmetic never expands the factor
+        event_shape = loc.shape[-1:]
+        self.loc = loc.expand(batch_shape + event_shape)
+        self.scale = scale.expand(batch_shape + event_shape)
+        self.factor = factor.expand(batch_shape + factor.shape[-2:])
+
+    @staticmethod
+    def infer_shapes(loc: torch.Size, scale: torch.Size, factor: torch.Size) -> tuple[torch.Size, torch.Size]:
+        return torch.broadcast_shapes(loc[:-1], scale[:-1], factor[:-2]), loc[-1:]
+
+    def expand(
+        self, batch_shape: torch.Size, _instance: ScaledLowRankMultivariateNormal | None = None
+    ) -> ScaledLowRankMultivariateNormal:
+        new = self._get_checked_instance(ScaledLowRankMultivariateNormal, _instance)
+        batch_shape = torch.Size(batch_shape)
+        new._set(*self._params, batch_shape)
+        new._scored = None
+        torch.distributions.Distribution.__init__(new, batch_shape, self.event_shape, validate_args=False)
+        new._validate_args = self._validate_args
+        return new
+
+    @lazy_property
+    def _unbroadcasted_cov_factor(self) -> Tensor:
+        _, scale, factor = self._params
+        return factor * scale.unsqueeze(-1)
+
+    @lazy_property
+    def _unbroadcasted_cov_diag(self) -> Tensor:
+        return self._params[1].square()
+
+    @lazy_property
+    def _capacitance_tril(self) -> Tensor:
+        return low_rank_capacitance_tril(self._params[2])
+
+    @lazy_property
+    def cov_factor(self) -> Tensor:
+        r""":math:`W = \mathrm{diag}(s)V`, broadcast (a :math:`P\times K` tensor, made on first access)."""
+        return self._unbroadcasted_cov_factor.expand(self.factor.shape)
+
+    @lazy_property
+    def cov_diag(self) -> Tensor:
+        """:math:`D = s^2`, broadcast."""
+        return self._unbroadcasted_cov_diag.expand(self.loc.shape)
+
+    @lazy_property
+    def variance(self) -> Tensor:
+        _, scale, factor = self._params
+        return low_rank_variance(scale, factor).expand(self.loc.shape)
+
+    def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+        loc, scale, factor = self._params
+        shape = self._extended_shape(sample_shape)
+        noise_rank = torch.empty(shape[:-1] + factor.shape[-1:], dtype=loc.dtype, device=loc.device).normal_()
+        noise_diag = torch.empty(shape, dtype=loc.dtype, device=loc.device).normal_()  # torch's own standard draws
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self._params)):
+            return low_rank_rsample(loc, scale, factor, noise_diag, noise_rank)
+        value, log_prob = low_rank_rsample_and_log_prob(loc, scale, factor, noise_diag, noise_rank)
+        self._scored = (value, log_prob)
+        return value
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        if self._scored is not None and value is self._scored[0]:
+            return self._scored[1]
+        log_prob = low_rank_log_prob(value, *self._params)
+        return log_prob.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
+
+    def entropy(self) -> Tensor:
+        _, scale, _ = self._params
+        logdet = 2 * scale.log().sum(-1) + 2 * self._capacitance_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return (0.5 * (self.event_shape[0] * (1.0 + math.log(2 * math.pi)) + logdet)).expand(self.batch_shape)
 
 
 class AutoLowRankPlusDiagonalNormal(AutoLowRankMultivariateNormal):
-    r"""Pyro's low-rank-plus-diagonal Gaussian guide, with SWAG initialisation.
+    r"""Pyro's low-rank-plus-diagonal Gaussian guide, with SWAG initialisation and a lean posterior
+    (:class:`ScaledLowRankMultivariateNormal`: no :math:`P\times K` temporary in its density, draws and gradients).
 
     Usage::
 
@@ -169,3 +295,10 @@ class AutoLowRankPlusDiagonalNormal(AutoLowRankMultivariateNormal):
         flat = [torch.cat([m[n].reshape(-1) for n in order]).to(dtype) for m in (mean, variance)]
         deviations = torch.cat([columns[n].reshape(-1, swag.rank) for n in order]).to(dtype)
         return swag_to_low_rank(flat[0], flat[1], deviations, scale=scale, min_variance=swag.var_clamp)
+
+    def get_posterior(self, *args: object, **kwargs: object) -> ScaledLowRankMultivariateNormal:
+        """The Gaussian over the packed unconstrained latent vector (Pyro's, without forming :math:`W`)."""
+        return ScaledLowRankMultivariateNormal(self.loc, self.scale, self.cov_factor)
+
+    def _loc_scale(self, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+        return self.loc, self.scale * (1 + row_dot(self.cov_factor, self.cov_factor)).sqrt()

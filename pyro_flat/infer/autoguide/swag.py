@@ -71,6 +71,7 @@ from torch import Tensor
 from torch.distributions import biject_to
 
 from ..._validation import check_int
+from ...ops.low_rank import low_rank_log_prob, low_rank_rsample, low_rank_variance
 from ...ops.moments import VARIANCE_CLAMP, DeviationBuffer, diagonal_variance, update_running_moments
 from ..util import is_real_support, latent_supports
 
@@ -275,6 +276,15 @@ class SWAGCollector:
         """The collected sites and their unconstrained shapes, in flattening order."""
         return dict(self._shapes)
 
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """A flat vector ``[P]`` in the collector's order (that of :meth:`flat_mean`) split per site."""
+        return self._unflatten(flat)
+
+    def to_flat(self, tensor: Tensor) -> Tensor:
+        """``tensor`` in the dtype and on the device of the collector's flat vectors (after a collection)."""
+        self._check_collected("to_flat")
+        return tensor.to(self._mean)
+
     def _unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         out, pos = {}, 0
         for name, shape in self._shapes.items():
@@ -383,7 +393,8 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
 
     Unlike :class:`~pyro.distributions.LowRankMultivariateNormal`, nothing is factorised at construction (the
     capacitance matrix of that class can fail to factorise when SWAG clamps variances to :math:`10^{-30}`): sampling
-    costs :math:`O(PK)`, and :meth:`log_prob` builds the low-rank factorisation only when called. Leading dimensions
+    costs :math:`O(PK)`, and :meth:`log_prob` builds the low-rank factorisation only when called. Neither makes a
+    :math:`P\times K` temporary, nor do their gradients (:mod:`pyro_flat.ops.low_rank`). Leading dimensions
     of the parameters are batch dimensions, and :meth:`expand` adds them (Pyro's vectorised plates:
     ``Predictive(parallel=True)``, vectorised particles): a batch of draws is the same as as many draws.
 
@@ -409,11 +420,14 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
                 f"{tuple(cov_diag.shape)}, {tuple(cov_factor.shape)}"
             )
         batch_shape = torch.broadcast_shapes(loc.shape[:-1], cov_diag.shape[:-1], cov_factor.shape[:-2])
-        event_shape = loc.shape[-1:]
-        self.loc = loc.expand(batch_shape + event_shape)
-        self.cov_diag = cov_diag.expand(batch_shape + event_shape)
+        self._set(loc, cov_diag, cov_factor, batch_shape)
+        super().__init__(batch_shape, loc.shape[-1:], validate_args=validate_args)
+
+    def _set(self, loc: Tensor, cov_diag: Tensor, cov_factor: Tensor, batch_shape: torch.Size) -> None:
+        self._params = (loc, cov_diag, cov_factor)  # unbroadcast: the arithmetic never expands the factor
+        self.loc = loc.expand(batch_shape + loc.shape[-1:])
+        self.cov_diag = cov_diag.expand(batch_shape + loc.shape[-1:])
         self.cov_factor = cov_factor.expand(batch_shape + cov_factor.shape[-2:])
-        super().__init__(batch_shape, event_shape, validate_args=validate_args)
 
     @property
     def mean(self) -> Tensor:
@@ -421,31 +435,33 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
 
     @property
     def variance(self) -> Tensor:
-        return self.cov_diag + self.cov_factor.square().sum(-1)
+        _, cov_diag, cov_factor = self._params
+        return low_rank_variance(cov_diag, cov_factor, relative=False).expand(self.loc.shape)
 
     def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+        loc, cov_diag, cov_factor = self._params
         shape = self._extended_shape(sample_shape)
-        z1 = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
-        out = self.loc + self.cov_diag.sqrt() * z1
-        rank = self.cov_factor.shape[-1]
-        if rank > 0:
-            z2 = torch.randn(shape[:-1] + (rank,), dtype=self.loc.dtype, device=self.loc.device)
-            out = out + (z2.unsqueeze(-2) @ self.cov_factor.transpose(-1, -2)).squeeze(-2)
-        return out
+        z1 = torch.randn(shape, dtype=loc.dtype, device=loc.device)
+        rank = cov_factor.shape[-1]
+        if rank == 0:
+            return loc + cov_diag.sqrt() * z1
+        z2 = torch.randn(shape[:-1] + (rank,), dtype=loc.dtype, device=loc.device)
+        return low_rank_rsample(loc, cov_diag, cov_factor, z1, z2, relative=False)
 
     def log_prob(self, value: Tensor) -> Tensor:
         if self._validate_args:
             self._validate_sample(value)
-        if self.cov_factor.shape[-1] == 0:
-            return dist.Normal(self.loc, self.cov_diag.sqrt()).log_prob(value).sum(-1)
-        return torch.distributions.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag).log_prob(value)
+        loc, cov_diag, cov_factor = self._params
+        if cov_factor.shape[-1] == 0:
+            log_prob = dist.Normal(loc, cov_diag.sqrt()).log_prob(value).sum(-1)
+        else:
+            log_prob = low_rank_log_prob(value, loc, cov_diag, cov_factor, relative=False)
+        return log_prob.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
 
     def expand(self, batch_shape: torch.Size, _instance: object = None) -> LowRankPlusDiagonalNormal:
         new = self._get_checked_instance(LowRankPlusDiagonalNormal, _instance)
         batch_shape = torch.Size(batch_shape)
-        new.loc = self.loc.expand(batch_shape + self.event_shape)
-        new.cov_diag = self.cov_diag.expand(batch_shape + self.event_shape)
-        new.cov_factor = self.cov_factor.expand(batch_shape + self.cov_factor.shape[-2:])
+        new._set(*self._params, batch_shape)
         super(LowRankPlusDiagonalNormal, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new

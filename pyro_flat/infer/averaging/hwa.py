@@ -52,6 +52,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import Any
 
 import pyro.optim
@@ -59,7 +60,8 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoNormal
 from torch import Tensor
 
-from ..._validation import check_int
+from ..._internals import autocontinuous_loc_scale
+from ..._validation import check_int, check_real
 from ...ops.moments import update_running_moments
 from ..autoguide.swag import AutoSWAG, SWAGCollector
 
@@ -89,9 +91,7 @@ class CyclicalLR:
 
     def __init__(self, cycle_length: int, low_ratio: float) -> None:
         self.cycle_length = check_int(cycle_length, "cycle_length", owner="CyclicalLR")
-        if isinstance(low_ratio, bool) or not isinstance(low_ratio, (int, float)) or not 0 < low_ratio <= 1:
-            raise ValueError(f"CyclicalLR: `low_ratio` must be in (0, 1], got {low_ratio!r}")
-        self.low_ratio = float(low_ratio)
+        self.low_ratio = check_real(low_ratio, "low_ratio", low=0, high=1, low_open=True, owner="CyclicalLR")
 
     def __call__(self, step: int) -> float:
         return cyclical_lr(step, self.cycle_length, 1.0, self.low_ratio)
@@ -112,8 +112,7 @@ def cyclical_lr_scheduler(
     lr_high = optim_args.get("lr") if isinstance(optim_args, Mapping) else None
     if isinstance(lr_high, bool) or not isinstance(lr_high, (int, float)) or not lr_high > 0:
         raise ValueError(f"cyclical_lr_scheduler: `optim_args` must contain a learning rate 'lr' > 0, got {lr_high!r}")
-    if isinstance(lr_low, bool) or not isinstance(lr_low, (int, float)) or not 0 < lr_low <= lr_high:
-        raise ValueError(f"cyclical_lr_scheduler: `lr_low` must be in (0, lr={lr_high}], got {lr_low!r}")
+    check_real(lr_low, "lr_low", low=0, high=lr_high, low_open=True, owner="cyclical_lr_scheduler")
     schedule = CyclicalLR(cycle_length, lr_low / lr_high)
     return pyro.optim.LambdaLR({"optimizer": optimizer, "optim_args": dict(optim_args), "lr_lambda": schedule})
 
@@ -132,16 +131,16 @@ def guide_loc_scale(guide: Callable) -> tuple[dict[str, Tensor], dict[str, Tenso
         if isinstance(guide, AutoNormal):
             locs, scales = {}, {}
             for name, _ in guide.prototype_trace.iter_stochastic_nodes():
-                loc, scale = guide._get_loc_and_scale(name)
+                loc, scale = attrgetter(name)(guide.locs), attrgetter(name)(guide.scales)  # a dotted name too
                 locs[name], scales[name] = loc.detach().clone(), scale.detach().clone()
             return locs, scales
         if isinstance(guide, AutoContinuous):
             try:
-                loc, scale = guide._loc_scale()
+                parts = autocontinuous_loc_scale(guide)
             except NotImplementedError:
                 raise ValueError(f"guide_loc_scale: {type(guide).__name__} has no Gaussian loc/scale") from None
-            locs = {site["name"]: v.detach().clone() for site, v in guide._unpack_latent(loc)}
-            scales = {site["name"]: v.detach().clone() for site, v in guide._unpack_latent(scale)}
+            locs = {name: loc.detach().clone() for name, loc, _ in parts}
+            scales = {name: scale.detach().clone() for name, _, scale in parts}
             return locs, scales
     raise ValueError(
         f"guide_loc_scale: expected an AutoNormal or AutoContinuous Gaussian guide, got {type(guide).__name__}"
@@ -179,7 +178,7 @@ class HWA:
         locs, scales = guide_loc_scale(self.guide)
         n = self.means.num_collected
         self.means.collect_unconstrained(locs)
-        flat_scale = torch.cat([scales[k].reshape(-1) for k in self.means.sites]).to(self.means._mean)
+        flat_scale = self.means.to_flat(torch.cat([scales[k].reshape(-1) for k in self.means.sites]))
         if self._scale_mean is None:
             self._scale_mean = torch.zeros_like(flat_scale)
             self._scale_sq_mean = torch.zeros_like(flat_scale)
@@ -225,7 +224,7 @@ class HWA:
             flat = self.means.flat_variance() + self._scale_sq_mean
         else:
             flat = self.means.flat_variance()
-        return self.means._unflatten(flat)
+        return self.means.unflatten(flat)
 
     def averaged_guide(
         self, model: Callable, variance: str = "means", *, scale: float = 1.0, diagonal_only: bool = True

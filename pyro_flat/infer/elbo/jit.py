@@ -22,7 +22,6 @@ read and write like BatchNorm statistics.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -30,11 +29,12 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.infer.util import is_validation_enabled
-from pyro.poutine.runtime import _PYRO_STACK, effectful
+from pyro.poutine.runtime import effectful
 from pyro.util import warn_if_nan
 from torch import Tensor
 
-from ..compiled import CompiledCalls, module_key, options_key, tensor_key
+from ..._internals import handler_stack, set_unconstrained, unconstrained_params
+from ...runtime.compiled_calls import CompiledCalls, module_key, options_key, tensor_key
 from .kl_ball import KLBallELBO
 from .sharpness_aware import SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from .trace_elbo import TensorTrace_ELBO
@@ -96,7 +96,7 @@ class _Jit:
             return loss, [store[name] for name in names] if mode == "capture" else []
 
         def inputs() -> list[Tensor]:
-            store = pyro.get_param_store()._params
+            store = unconstrained_params()
             return [store[name] for name in self._param_names[key]] + tensors
 
         loss, constrained = self._compiled(key, step, inputs)
@@ -107,11 +107,11 @@ class _Jit:
     def _report_parameters(self, key: Hashable, constrained: list[Tensor]) -> None:
         """The parameter statements of a compiled step, as the eager step makes them, for the enclosing handlers
         (``SVI`` collects the parameters it optimises there), with the values the graph computed."""
-        if not _PYRO_STACK:
+        if not handler_stack():
             return
-        store = pyro.get_param_store()._params
+        store = unconstrained_params()
         for name, value in zip(self._param_names[key], constrained, strict=True):
-            value.unconstrained = weakref.ref(store[name])
+            set_unconstrained(value, store[name])
             if _compiled_param(name, value, name=name) is not value:
                 raise NotImplementedError(
                     f"{type(self).__name__}: a handler replaced the value of parameter {name!r} of a compiled step, "

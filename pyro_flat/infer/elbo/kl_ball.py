@@ -28,7 +28,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
@@ -44,7 +43,8 @@ from torch import Tensor, nn
 from torch.distributions import TransformedDistribution, kl_divergence, transform_to
 from torch.distributions.transforms import Transform
 
-from ..._validation import all_true, check_int
+from ..._internals import unconstrained_of
+from ..._validation import all_true, check_int, check_real
 from ...distributed import all_reduce_mean, check_distributed
 from ...ops.fisher import (
     conjugate_gradient,
@@ -54,9 +54,9 @@ from ...ops.fisher import (
     normalized_score_step,
 )
 from ...ops.sam import check_radius
+from ...runtime.replay import RunRecorder, substituted_tensors
+from ...runtime.sites import warn_nothing_to_perturb
 from ...transforms.sharpness_aware import is_likelihood_site
-from ..replay import RunRecorder, substituted_tensors
-from ..util import warn_nothing_to_perturb
 from .trace_elbo import TensorTrace_ELBO
 
 __all__ = ["KLBallELBO"]
@@ -148,11 +148,38 @@ def _guide_parameters(guide_trace: poutine.Trace) -> dict[str, Tensor]:
     for name, site in guide_trace.nodes.items():
         if site["type"] == "param":
             value = site["value"]
-            unconstrained = getattr(value, "unconstrained", None)
-            leaf = value if unconstrained is None else unconstrained()
+            unconstrained = unconstrained_of(value)
+            leaf = value if unconstrained is None else unconstrained
             if leaf is not None and leaf.requires_grad:
                 leaves[name] = leaf
     return leaves
+
+
+@dataclass
+class _FirstPass:
+    r"""One particle's first pass, from which a direction computes :math:`\delta^*`: the guide's parameters
+    :math:`\phi` (``leaves``), the two traces, their recording (for replays), the guide as it ran (vectorised
+    particles wrap it) and as it was given (its class decides the closed forms; errors name it), and the model's
+    arguments."""
+
+    leaves: dict[str, Tensor]
+    model_trace: poutine.Trace
+    guide_trace: poutine.Trace
+    run: RunRecorder
+    guide: Callable
+    given: object
+    args: tuple
+    kwargs: dict
+
+    def guide_at_sample(self, constants: dict[str, Tensor] | None = None) -> poutine.Trace:
+        r"""The guide run again with every latent value fixed at the first pass's (detached) sample and the subsample
+        indices replayed: its sites' distributions are :math:`q_\phi(\cdot\mid\text{parents})` at those values,
+        functions of :math:`\phi` only — or constants, with ``constants`` (the parameters, detached, in their
+        place)."""
+        fixed = {name: site["value"].detach() for name, site in _latent_guide_sites(self.guide_trace)}
+        detached = [] if constants is None else [(leaf, leaf.detach()) for leaf in constants.values()]
+        with self.run.replay(values=fixed), substituted_tensors(detached):
+            return poutine.trace(self.guide).get_trace(*self.args, **self.kwargs)
 
 
 def _latent_guide_sites(trace: poutine.Trace) -> Iterator[tuple[str, dict]]:
@@ -228,11 +255,9 @@ class KLBallELBO(TensorTrace_ELBO):
             raise ValueError(f"KLBallELBO: `direction` must be one of {DIRECTIONS}, got {direction!r}")
         if fisher not in FISHER:
             raise ValueError(f"KLBallELBO: `fisher` must be one of {FISHER}, got {fisher!r}")
-        if isinstance(kl_weight, bool) or not (isinstance(kl_weight, (int, float)) and 0 <= kl_weight < math.inf):
-            raise ValueError(f"KLBallELBO: `kl_weight` must be a finite number >= 0, got {kl_weight!r}")
+        check_real(kl_weight, "kl_weight", low=0, owner="KLBallELBO")
         check_int(cg_iterations, "cg_iterations", owner="KLBallELBO")
-        if isinstance(cg_damping, bool) or not (isinstance(cg_damping, (int, float)) and 0 <= cg_damping < math.inf):
-            raise ValueError(f"KLBallELBO: `cg_damping` must be a finite number >= 0, got {cg_damping!r}")
+        check_real(cg_damping, "cg_damping", low=0, owner="KLBallELBO")
         if not isinstance(distributed, bool):
             raise ValueError(f"KLBallELBO: `distributed` must be a bool, got {distributed!r}")
         self.direction, self.fisher = direction, fisher
@@ -264,17 +289,16 @@ class KLBallELBO(TensorTrace_ELBO):
 
     def _get_trace(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple:
         with torch.enable_grad():  # delta* needs a gradient even under torch.no_grad() (SVI.evaluate_loss)
-            model_trace, guide_trace, run = self._first_pass(model, guide, args, kwargs)
-            leaves = _guide_parameters(guide_trace)
+            first = self._first_pass(model, guide, args, kwargs)
+            leaves, model_trace, guide_trace = first.leaves, first.model_trace, first.guide_trace
             observed = any(is_likelihood_site(site) for site in model_trace.nodes.values())
             # no guide parameter, or no data term: the KL ball is a point or nothing depends on it, delta* = 0
-            delta = self._perturbation(leaves, model_trace, guide_trace, run, guide, args, kwargs) if (
-                leaves and observed) else {}
+            delta = _STEPS[self.direction](self, first) if leaves and observed else {}
         if not (leaves and observed):
             self._warn_nothing_to_perturb(guide, bool(leaves), observed)
         if delta:
             moved = [(leaf, leaf + delta[name]) for name, leaf in leaves.items() if name in delta]
-            perturbed = self._perturbed_data_term(model, guide, args, kwargs, run, moved)
+            perturbed = self._perturbed_data_term(model, guide, args, kwargs, first.run, moved)
             for name, site in model_trace.nodes.items():
                 if is_likelihood_site(site):
                     model_trace.nodes[name] = perturbed.nodes[name]
@@ -298,13 +322,14 @@ class KLBallELBO(TensorTrace_ELBO):
                 "requires a gradient, so its KL "
                 "ball is a single point: the objective is Trace_ELBO's"))
 
-    def _first_pass(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> tuple:
+    def _first_pass(self, model: Callable, guide: Callable, args: tuple, kwargs: dict) -> _FirstPass:
         """``Trace_ELBO``'s traces (with Pyro's own validation first), recorded for the replay, then this ELBO's
         checks."""
         with RunRecorder() as run:
             model_trace, guide_trace = super()._get_trace(model, guide, args, kwargs)
         self._check_traces(model_trace, guide_trace)
-        return model_trace, guide_trace, run
+        return _FirstPass(_guide_parameters(guide_trace), model_trace, guide_trace, run, guide, self._guide, args,
+                          kwargs)
 
     @staticmethod
     def _perturbed_data_term(
@@ -334,31 +359,27 @@ class KLBallELBO(TensorTrace_ELBO):
                     "KLBallELBO does not enumerate discrete sites (it is a Trace_ELBO): marginalise it in the model"
                 )
 
-    # ---------------------------------------------------------------------------------------------------------------
-    # delta*
+    def perturbation(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> dict[str, Tensor]:
+        """:math:`\\delta^*` for one draw of the guide, as ``{param site name: perturbation of its unconstrained
+        tensor}`` (a diagnostic: the loss methods compute it the same way, once per particle)."""
+        self._check_guide(guide)
+        with torch.enable_grad():
+            return _STEPS[self.direction](self, self._first_pass(model, guide, args, kwargs))
 
-    def _perturbation(
-        self, leaves: dict[str, Tensor], model_trace: poutine.Trace, guide_trace: poutine.Trace, run: RunRecorder,
-        guide: Callable, args: tuple, kwargs: dict,
-    ) -> dict[str, Tensor]:
-        names = list(leaves)
-        blocks = _closed_form_blocks(self._guide) if self.fisher == "auto" else None
-        if self.direction == "normalized_score":
-            # a factorised autoguide's distributions are functions of phi alone: score the first pass's (keeping its
-            # graph for the loss); any other guide runs again with its sites' parents at the sampled values
-            factorised = _closed_form_blocks(self._guide) is not None
-            at_sample = guide_trace if factorised else self._guide_at_sample(guide_trace, run, guide, args, kwargs)
-            log_q = sum(self._log_density_at_sample(name, site, factorised) for name, site in
-                        _latent_guide_sites(at_sample))
-            scores = dict(zip(names, _grads(log_q, [leaves[n] for n in names], retain_graph=factorised), strict=True))
-            roles = self._roles(blocks, leaves)
-            steps = normalized_score_step([[scores[n] for n in role] for role in roles], self.radius)
-            return {n: s for role, step in zip(roles, steps, strict=True) for n, s in zip(role, step, strict=True)}
-        data_term = -sum(site["log_prob_sum"] for site in model_trace.nodes.values() if is_likelihood_site(site))
-        grads = _grads(data_term, [leaves[n] for n in names], retain_graph=True)
-        if self.distributed:  # the ascent of the combined batch: the same perturbation on every rank
+
+class _FisherDirection:
+    r"""``direction="fisher"``, the paper's :math:`\delta^*` along :math:`F^{-1}g` (:math:`g` the gradient of the
+    data term in :math:`\phi`, :math:`F` the guide's Fisher information): in closed form for Pyro's Gaussian
+    autoguides (``fisher="auto"``, :mod:`pyro_flat.ops.fisher`), else by conjugate gradient on Fisher-vector
+    products of the guide's KL divergence."""
+
+    def __call__(self, elbo: KLBallELBO, first: _FirstPass) -> dict[str, Tensor]:
+        names = list(first.leaves)
+        data_term = -sum(site["log_prob_sum"] for site in first.model_trace.nodes.values() if is_likelihood_site(site))
+        grads = _grads(data_term, [first.leaves[n] for n in names], retain_graph=True)
+        if elbo.distributed:  # the ascent of the combined batch: the same perturbation on every rank
             check_distributed("KLBallELBO")
-            grads = all_reduce_mean(grads, self.process_group)
+            grads = all_reduce_mean(grads, elbo.process_group)
         if is_validation_enabled():
             finite = [torch.isfinite(g).all() for g in grads]
             if not all_true(finite):
@@ -368,40 +389,24 @@ class KLBallELBO(TensorTrace_ELBO):
                     "not finite; the model's log-likelihood diverged at the current guide parameters"
                 )
         grad = dict(zip(names, grads, strict=True))
+        blocks = _closed_form_blocks(first.given) if elbo.fisher == "auto" else None
         if blocks is not None:
-            directions = self._closed_form_directions(blocks, leaves, grad)
+            directions = self.closed_form(blocks, first.leaves, grad, first.given)
         else:
-            fvp = self._fisher_product(leaves, guide_trace, run, guide, args, kwargs)
-            solution = conjugate_gradient(fvp, grads, iterations=self.cg_iterations, damping=self.cg_damping)
+            solution = conjugate_gradient(self.fisher_product(first), grads, iterations=elbo.cg_iterations,
+                                          damping=elbo.cg_damping)
             directions = dict(zip(names, solution, strict=True))
         ordered = [n for n in names if n in directions]
-        steps = kl_ball_step([grad[n] for n in ordered], [directions[n] for n in ordered], self.radius)
+        steps = kl_ball_step([grad[n] for n in ordered], [directions[n] for n in ordered], elbo.radius)
         return dict(zip(ordered, steps, strict=True))
 
-    def _log_density_at_sample(self, name: str, site: dict, factorised: bool) -> Tensor | float:
-        r""":math:`\log q_\phi` of a guide site at its (fixed) sampled value, for the score."""
-        fn = site["fn"]
-        point = _point_mass(fn)
-        if point is not None:
-            if not factorised and point.v.requires_grad:
-                raise _moving_point_mass(name, point, self._guide)
-            return 0.0  # a deterministic function of its (fixed) parents
-        try:
-            return fn.log_prob(site["value"].detach()).sum()
-        except (KeyError, NotImplementedError):  # e.g. BlockAutoregressive: no inverse outside its cache
-            transforms = ", ".join(_flow_transforms(fn)) or type(fn).__name__
-            raise ValueError(
-                f"KLBallELBO: direction='normalized_score' needs the log-density of guide site {name!r} of "
-                f"{_guide_name(self._guide)} at its sampled value, i.e. the inverse of its transform ({transforms}), "
-                "which it does not provide. Use an invertible flow (e.g. AutoIAFNormal) or a Gaussian guide"
-            ) from None
-
-    def _closed_form_directions(
-        self, blocks: list[_GaussianBlock], leaves: dict[str, Tensor], grad: dict[str, Tensor]
+    @staticmethod
+    def closed_form(
+        blocks: list[_GaussianBlock], leaves: dict[str, Tensor], grad: dict[str, Tensor], guide: object
     ) -> dict[str, Tensor]:
         """:math:`F^{-1}g` for Pyro's Gaussian autoguides (:mod:`pyro_flat.ops.fisher`)."""
         by_id = {id(leaf): name for name, leaf in leaves.items()}
-        scale_transform = transform_to(self._guide.scale_constraint)
+        scale_transform = transform_to(guide.scale_constraint)
         directions = {}
         for block in blocks:
             loc_name, scale_name = by_id.get(id(block.loc)), by_id.get(id(block.scale))
@@ -424,49 +429,25 @@ class KLBallELBO(TensorTrace_ELBO):
         return directions
 
     @staticmethod
-    def _roles(blocks: list[_GaussianBlock] | None, leaves: dict[str, Tensor]) -> list[list[str]]:
-        """The blocks of the normalised score: per role (means, scales, factors) for the Gaussian autoguides, else
-        one per parameter."""
-        if blocks is None:
-            return [[name] for name in leaves]
-        by_id = {id(leaf): name for name, leaf in leaves.items()}
-        roles = [[by_id.get(id(getattr(b, role))) for b in blocks] for role in ("loc", "scale", "factor")]
-        return [[n for n in role if n is not None] for role in roles if any(n is not None for n in role)]
-
-    def _guide_at_sample(
-        self, guide_trace: poutine.Trace, run: RunRecorder, guide: Callable, args: tuple, kwargs: dict,
-        constants: dict[str, Tensor] | None = None,
-    ) -> poutine.Trace:
-        """The guide run again with every latent value fixed at the first pass's (detached) sample and the subsample
-        indices replayed: its sites' distributions are :math:`q_\\phi(\\cdot\\mid\\text{parents})` at those values,
-        functions of :math:`\\phi` only — or constants, with ``constants`` (the parameters, detached, in their
-        place)."""
-        fixed = {name: site["value"].detach() for name, site in _latent_guide_sites(guide_trace)}
-        detached = [] if constants is None else [(leaf, leaf.detach()) for leaf in constants.values()]
-        with run.replay(values=fixed), substituted_tensors(detached):
-            return poutine.trace(guide).get_trace(*args, **kwargs)
-
-    def _fisher_product(
-        self, leaves: dict[str, Tensor], guide_trace: poutine.Trace, run: RunRecorder, guide: Callable, args: tuple,
-        kwargs: dict,
-    ) -> Callable[[list[Tensor]], list[Tensor]]:
+    def fisher_product(first: _FirstPass) -> Callable[[list[Tensor]], list[Tensor]]:
         r""":math:`v\mapsto F v`, :math:`F` the Hessian of :math:`\phi'\mapsto\sum_{\text{sites}}
-        \mathrm{KL}(q_{\phi'}(z\mid\text{parents})\,\|\,q_\phi(z\mid\text{parents}))` at :math:`\phi'=\phi`, with the
-        parents at their sampled values (the guide's Fisher information, by the chain rule of the KL divergence)."""
-        moved = self._guide_at_sample(guide_trace, run, guide, args, kwargs)
-        reference = self._guide_at_sample(guide_trace, run, guide, args, kwargs, constants=leaves)
+        \mathrm{KL}(q_{\phi'}(z\mid\text{parents})\,\|\,q_\phi(z\mid\text{parents}))` at :math:`\phi'=\phi`, with
+        the parents at their sampled values (the guide's Fisher information, by the chain rule of the KL
+        divergence)."""
+        moved = first.guide_at_sample()
+        reference = first.guide_at_sample(constants=first.leaves)
         kl = 0.0
         for name, site in _latent_guide_sites(moved):
             fn = site["fn"]
             point = _point_mass(fn)
             if point is not None:
                 if point.v.requires_grad:
-                    raise _moving_point_mass(name, point, self._guide)
+                    raise _moving_point_mass(name, point, first.given)
                 continue  # a deterministic function of its (fixed) parents: no KL
             flow = _flow_transforms(fn)
             if flow:  # torch's KL of two TransformedDistributions sharing the transforms is their bases' KL: 0 here
                 raise ValueError(
-                    f"KLBallELBO: guide site {name!r} of {_guide_name(self._guide)} is a normalising flow (a "
+                    f"KLBallELBO: guide site {name!r} of {_guide_name(first.given)} is a normalising flow (a "
                     f"TransformedDistribution whose transforms {flow} carry the guide's parameters). The Fisher "
                     "direction needs the KL divergence between two such flows, which has no closed form (torch's "
                     "kl_divergence compares only their base distributions: a zero Fisher, no perturbation). Use "
@@ -480,24 +461,70 @@ class KLBallELBO(TensorTrace_ELBO):
                     f"KLBallELBO: guide site {name!r} ({type(fn).__name__}) has no closed-form KL divergence, which "
                     "the Fisher direction needs; use direction='normalized_score'"
                 ) from None
-        names = list(leaves)
-        params = [leaves[n] for n in names]
-        first = _grads(kl, params, create_graph=True)
+        params = list(first.leaves.values())
+        gradient = _grads(kl, params, create_graph=True)
 
         def product(vector: list[Tensor]) -> list[Tensor]:
-            inner = sum((f * v).sum() for f, v in zip(first, vector, strict=True) if f.requires_grad)
+            inner = sum((f * v).sum() for f, v in zip(gradient, vector, strict=True) if f.requires_grad)
             return _grads(inner, params, retain_graph=True)
 
         return product
 
-    def perturbation(self, model: Callable, guide: Callable, *args: object, **kwargs: object) -> dict[str, Tensor]:
-        """:math:`\\delta^*` for one draw of the guide, as ``{param site name: perturbation of its unconstrained
-        tensor}`` (a diagnostic: the loss methods compute it the same way, once per particle)."""
-        self._check_guide(guide)
-        with torch.enable_grad():
-            model_trace, guide_trace, run = self._first_pass(model, guide, args, kwargs)
-            leaves = _guide_parameters(guide_trace)
-            return self._perturbation(leaves, model_trace, guide_trace, run, guide, args, kwargs)
+
+class _NormalizedScoreDirection:
+    """``direction="normalized_score"``, the variant of the authors' released code: a per-block normalised score of
+    the guide's log-density at its sample (:func:`~pyro_flat.ops.fisher.normalized_score_step`)."""
+
+    def __call__(self, elbo: KLBallELBO, first: _FirstPass) -> dict[str, Tensor]:
+        names = list(first.leaves)
+        blocks = _closed_form_blocks(first.given) if elbo.fisher == "auto" else None
+        # a factorised autoguide's distributions are functions of phi alone: score the first pass's (keeping its
+        # graph for the loss); any other guide runs again with its sites' parents at the sampled values
+        factorised = _closed_form_blocks(first.given) is not None
+        at_sample = first.guide_trace if factorised else first.guide_at_sample()
+        log_q = sum(self.log_density_at_sample(name, site, factorised, first.given) for name, site in
+                    _latent_guide_sites(at_sample))
+        scores = dict(zip(names, _grads(log_q, [first.leaves[n] for n in names], retain_graph=factorised),
+                          strict=True))
+        roles = self.roles(blocks, first.leaves)
+        steps = normalized_score_step([[scores[n] for n in role] for role in roles], elbo.radius)
+        return {n: s for role, step in zip(roles, steps, strict=True) for n, s in zip(role, step, strict=True)}
+
+    @staticmethod
+    def log_density_at_sample(name: str, site: dict, factorised: bool, guide: object) -> Tensor | float:
+        r""":math:`\log q_\phi` of a guide site at its (fixed) sampled value, for the score."""
+        fn = site["fn"]
+        point = _point_mass(fn)
+        if point is not None:
+            if not factorised and point.v.requires_grad:
+                raise _moving_point_mass(name, point, guide)
+            return 0.0  # a deterministic function of its (fixed) parents
+        try:
+            return fn.log_prob(site["value"].detach()).sum()
+        except (KeyError, NotImplementedError):  # e.g. BlockAutoregressive: no inverse outside its cache
+            transforms = ", ".join(_flow_transforms(fn)) or type(fn).__name__
+            raise ValueError(
+                f"KLBallELBO: direction='normalized_score' needs the log-density of guide site {name!r} of "
+                f"{_guide_name(guide)} at its sampled value, i.e. the inverse of its transform ({transforms}), "
+                "which it does not provide. Use an invertible flow (e.g. AutoIAFNormal) or a Gaussian guide"
+            ) from None
+
+    @staticmethod
+    def roles(blocks: list[_GaussianBlock] | None, leaves: dict[str, Tensor]) -> list[list[str]]:
+        """The blocks of the normalised score: per role (means, scales, factors) for the Gaussian autoguides, else
+        one per parameter."""
+        if blocks is None:
+            return [[name] for name in leaves]
+        by_id = {id(leaf): name for name, leaf in leaves.items()}
+        roles = [[by_id.get(id(getattr(b, role))) for b in blocks] for role in ("loc", "scale", "factor")]
+        return [[n for n in role if n is not None] for role in roles if any(n is not None for n in role)]
+
+
+_STEPS: dict[str, Callable[[KLBallELBO, _FirstPass], dict[str, Tensor]]] = {
+    "fisher": _FisherDirection(),
+    "normalized_score": _NormalizedScoreDirection(),
+}
+r"""How each ``direction`` computes :math:`\delta^*` (its keys are ``DIRECTIONS``)."""
 
 
 def _grads(output: Tensor | float, inputs: list[Tensor], **kwargs: bool) -> list[Tensor]:

@@ -57,8 +57,8 @@ from pyro.distributions import Delta
 from pyro.poutine import Trace
 
 from ...ops.efficient_sam import DEFAULT_LOOKSAM_ALPHA, SAM_STEP, SharpnessSchedule
+from ...runtime.sites import is_latent_site, is_real_support
 from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
-from ..util import is_latent_site, is_real_support
 from .trace_elbo import TensorTrace_ELBO, TensorTraceMeanField_ELBO
 
 
@@ -177,8 +177,7 @@ class SharpnessAwareELBO(_SharpnessAware, TensorTrace_ELBO):
     :param bool freeze_batchnorm: BatchNorm running statistics are not updated by the perturbed pass (the F-BNN
         code's ``disable_running_stats``); default ``True``.
     :param bool distributed: data-parallel training (:mod:`pyro_flat.distributed`): :math:`\hat g` is averaged over
-        the ranks before its norm is taken, so every rank perturbs by the ascent of the combined batch; default
-        ``False``.
+        the ranks before its norm is taken (the ascent of the combined batch); default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
     :param int looksam_k: LookSAM's period :math:`k\ge1` [4]: the ascent every :math:`k`-th step, the reused
         direction in between; default 1 (every step; the paper uses 5).

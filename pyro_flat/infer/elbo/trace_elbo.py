@@ -29,12 +29,13 @@ from collections.abc import Callable
 import torch
 from pyro.distributions.util import is_identically_zero, scale_and_mask
 from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.trace_elbo import _compute_log_r
 from pyro.infer.util import check_fully_reparametrized, is_validation_enabled
 from pyro.poutine import Trace
 from pyro.util import warn_if_nan
 from torch import Tensor
 from torch.distributions import kl_divergence
+
+from ..._internals import trace_log_r
 
 __all__ = ["TensorTraceMeanField_ELBO", "TensorTrace_ELBO"]
 
@@ -107,7 +108,7 @@ class TensorTrace_ELBO(_TensorLoss, Trace_ELBO):  # noqa: N801 (named like Pyro'
                     surrogate_terms = surrogate_terms - entropy_term.sum()
             if not is_identically_zero(score_function_term):
                 if log_r is None:
-                    log_r = _compute_log_r(model_trace, guide_trace)
+                    log_r = trace_log_r(model_trace, guide_trace)
                 surrogate_terms = surrogate_terms + (log_r.sum_to(site["cond_indep_stack"]) * score_function_term).sum()
         elbo = torch.as_tensor(elbo)
         return -elbo.detach(), -(elbo + surrogate_terms)

@@ -5,8 +5,8 @@ r"""Stochastic-gradient MCMC kernels for :class:`pyro.infer.MCMC`, minibatch-awa
 * :class:`EntropyMCMC`: SGLD on :func:`~pyro_flat.transforms.local_entropy` (Li & Zhang, ICLR 2024).
 * :class:`EntropySGD`, :class:`EntropySGLD`: the nested-chain local-entropy methods, for comparison.
 * Step-size schedules (:class:`ConstantStepSize`, :class:`PolynomialDecay`, :class:`CyclicalStepSize` for cSGLD),
-  streaming of draws (:class:`DrawHook`, :class:`DiskWriter`, :func:`load_draws`) and the split
-  :math:`\hat R` check of two or more chains (:func:`check_mixing`).
+  keeping and streaming of draws (:class:`DrawBuffer`, :class:`DrawHook`, :class:`DiskWriter`, :func:`load_draws`)
+  and the split :math:`\hat R` check of two or more chains (:func:`check_mixing`).
 
 The update rules live in :mod:`pyro_flat.ops.diffusions`, with the convention
 :math:`\theta' = \theta - \varepsilon\nabla U + \sqrt{2\varepsilon T}\,\xi` on the full-data potential :math:`U`.
@@ -20,7 +20,7 @@ from .entropy_sgld import EntropySGLD
 from .schedules import ConstantStepSize, CyclicalStepSize, PolynomialDecay, StepSizeSchedule
 from .sghmc import SGHMC
 from .sgld import SGLD
-from .streaming import DiskWriter, DrawHook, load_draws
+from .streaming import DiskWriter, DrawBuffer, DrawHook, load_draws
 
 __all__ = [
     "SGLD",
@@ -37,6 +37,7 @@ __all__ = [
     "ConstantStepSize",
     "PolynomialDecay",
     "CyclicalStepSize",
+    "DrawBuffer",
     "DrawHook",
     "DiskWriter",
     "load_draws",

@@ -25,7 +25,8 @@ The bias of SG-MCMC without a Metropolis correction, the step-size convention an
 .sample` ``warmup_steps + num_samples`` times. A warm-up call takes one *transition* (one gradient step for SGLD, one
 outer step for the nested Entropy-SGD kernels). After warm-up a call runs until the next draw: ``thinning``
 transitions, or, with a schedule that collects (:class:`~pyro_flat.infer.mcmc.CyclicalStepSize`), until a collection
-step. ``MCMC`` keeps every draw; to keep none, stream them (:class:`~pyro_flat.infer.mcmc.DrawHook`).
+step. ``MCMC`` keeps every draw; to keep them in rows allocated once (in memory or in files), give them a
+:class:`~pyro_flat.infer.mcmc.DrawBuffer`; to keep none, stream them (:class:`~pyro_flat.infer.mcmc.DrawHook`).
 
 **Divergence.** Each gradient step records, on the device and without a host synchronisation, whether each site's
 new value and the potential are finite, and the first step at which one was not. The record is read every

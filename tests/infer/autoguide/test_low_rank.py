@@ -11,13 +11,14 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 
 from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, SWAGCollector, latent_supports
+from pyro_flat.infer.autoguide.low_rank import ScaledLowRankMultivariateNormal
 
 
 def model(x=None):
     a = pyro.sample("a", dist.Normal(0.0, 1.0).expand([2, 2]).to_event(2))
     b = pyro.sample("b", dist.LogNormal(0.0, 1.0))  # constrained: the guide works in log space
     if x is not None:
-        pyro.sample("x", dist.Normal(a.sum() * b, 1.0), obs=x)
+        pyro.sample("x", dist.Normal(a.sum((-1, -2)) * b, 1.0), obs=x)
     return a, b
 
 
@@ -158,3 +159,80 @@ def test_from_swag_with_a_float64_swag_collector_keeps_the_model_dtype_and_train
     svi = SVI(real_model, guide, pyro.optim.Adam({"lr": 1e-2}), KLBallELBO(0.1))
     assert math.isfinite(svi.step(x))
     assert pyro.param(f"{guide._pyro_name}.loc").dtype == torch.float32
+
+
+def _pyro_twin(guide):
+    """Pyro's AutoLowRankMultivariateNormal with the same parameters as ``guide`` (already set up)."""
+    from pyro.infer.autoguide import AutoLowRankMultivariateNormal
+
+    twin = AutoLowRankMultivariateNormal(model, rank=guide.cov_factor.shape[-1])
+    twin(torch.tensor(1.0))
+    loc, scale, factor = _params(guide)
+    twin.loc = torch.nn.Parameter(loc.detach().clone())
+    twin.scale = pyro.nn.PyroParam(scale.detach().clone(), twin.scale_constraint)
+    twin.cov_factor = torch.nn.Parameter(factor.detach().clone())
+    return twin
+
+
+@pytest.mark.parametrize("elbo", [Trace_ELBO(num_particles=3), Trace_ELBO(num_particles=3, vectorize_particles=True)])
+def test_same_draws_loss_and_gradients_as_pyros_guide(elbo):
+    # the lean posterior is Pyro's LowRankMultivariateNormal computed without P x K temporaries: same seed, same
+    # draws, same ELBO and gradients (float64: agreement to rounding)
+    x = torch.tensor(2.0)
+    guide = AutoLowRankPlusDiagonalNormal(model, rank=3, init_scale=0.3)
+    guide(x)
+    with torch.no_grad():
+        guide.cov_factor.normal_()  # a non-trivial factor
+    twin = _pyro_twin(guide)
+    results = []
+    for g in (guide, twin):
+        elbo.differentiable_loss(model, g, x)  # vectorised particles: the first call guesses the plates (draws)
+        pyro.set_rng_seed(5)
+        loss = elbo.differentiable_loss(model, g, x)
+        params = (g.loc, g.scale_unconstrained, g.cov_factor)
+        results.append((loss, torch.autograd.grad(loss, params)))
+        pyro.set_rng_seed(6)
+        results[-1] += (g.get_posterior().sample((4,)),)
+    (loss, grads, draws), (expected_loss, expected_grads, expected_draws) = results
+    assert isinstance(guide.get_posterior(), ScaledLowRankMultivariateNormal)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(draws, expected_draws, rtol=1e-12, atol=1e-12)
+
+
+def test_kl_ball_elbo_is_unchanged_by_the_lean_posterior():
+    from pyro_flat.infer import KLBallELBO
+
+    x = torch.tensor(2.0)
+    guide = AutoLowRankPlusDiagonalNormal(model, rank=2, init_scale=0.3)
+    guide(x)
+    with torch.no_grad():
+        guide.cov_factor.normal_()
+    twin = _pyro_twin(guide)
+    results = []
+    for g in (guide, twin):
+        pyro.set_rng_seed(3)
+        loss = KLBallELBO(0.05).differentiable_loss(model, g, x)
+        results.append((loss, torch.autograd.grad(loss, (g.loc, g.scale_unconstrained, g.cov_factor))))
+    (loss, grads), (expected_loss, expected_grads) = results
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_scaled_posterior_is_pyros_distribution_at_the_absolute_factor():
+    loc, scale, factor = torch.randn(2, 5), torch.rand(2, 5) + 0.2, torch.randn(5, 3)
+    ours = ScaledLowRankMultivariateNormal(loc, scale, factor)
+    theirs = dist.LowRankMultivariateNormal(loc, factor * scale.unsqueeze(-1), scale.square())
+    assert ours.batch_shape == theirs.batch_shape == (2,) and ours.event_shape == (5,)
+    value = torch.randn(4, 2, 5)
+    torch.testing.assert_close(ours.log_prob(value), theirs.log_prob(value))
+    torch.testing.assert_close(ours.entropy(), theirs.entropy())
+    torch.testing.assert_close(ours.variance, theirs.variance)
+    torch.testing.assert_close(ours.covariance_matrix, theirs.covariance_matrix)
+    expanded = ours.expand((3, 2))
+    assert expanded.batch_shape == (3, 2) and expanded.log_prob(value[0]).shape == (3, 2)
+    assert expanded.rsample((4,)).shape == (4, 3, 2, 5)
+    with pytest.raises(ValueError, match="factor \\[..., P, K\\]"):
+        ScaledLowRankMultivariateNormal(loc, scale, factor[:4])

@@ -23,16 +23,6 @@ from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, KLBallELBO, NothingTo
 from pyro_flat.infer.replay import RunRecorder
 from pyro_flat.ops.sam import sam_perturbation
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: with a thread per core, pytest -n 2 on a busy 2-core machine spends its time contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 X = torch.tensor([-0.5, 2.0, 1.0, 0.3, -1.2, 0.8], dtype=torch.float64)
 GUIDES = [AutoNormal, AutoDiagonalNormal, AutoLowRankPlusDiagonalNormal]
 

@@ -690,7 +690,7 @@ def test_looksam_refuses_a_trainable_tensor_pyro_does_not_know_and_outer_conditi
 @pytest.mark.parametrize("options, match", [
     ({"looksam_k": 0}, "`looksam_k` must be an int >= 1"),
     ({"looksam_k": 2.0}, "`looksam_k` must be an int >= 1"),
-    ({"looksam_alpha": -0.1}, "`looksam_alpha` must be a number in"),
+    ({"looksam_alpha": -0.1}, "`looksam_alpha` must be a finite number >= 0"),
     ({"rst_p": 1.5}, "`rst_p` must be a number in"),
     ({"looksam_k": 2, "rst_p": 0.5}, "use one of them"),
     ({"rst_p": 0.5, "distributed": True}, "not supported with distributed=True"),
