@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_real  # noqa: F401  (where the optimizers imported it from)
+from ..ops.efficient_sam import SAM_STEP, looksam_direction, looksam_gradient, sharpness_sensitive_selection
 from ..runtime.replay import RunRecorder
 
 Closure = Callable[[], Tensor | None]
@@ -99,3 +100,30 @@ def mean_loss(losses: Sequence[Tensor | None]) -> Tensor | None:
     if any(loss is None for loss in losses):
         return None
     return losses[0] if len(losses) == 1 else torch.stack(list(losses)).mean()
+
+
+def ascent_gradients(closure: Closure | PerExampleClosure, params: list[Tensor], run: object, losses: Tensor | None,
+                     esam_gamma: float) -> list[Tensor]:
+    """The gradients at the perturbed ``params`` (the replayed closure): on the whole minibatch, or, with
+    ``esam_gamma < 1``, on ESAM's sharpness-sensitive selection of its examples."""
+    if esam_gamma == 1:
+        return replayed_gradients_at(closure, params, run)
+    selection = sharpness_sensitive_selection(losses, replayed_losses(closure, run), esam_gamma)
+    return replayed_gradients_at(closure, params, run, per_example=True, subset=selection)
+
+
+def looksam_step(optimizer: torch.optim.Optimizer, kind: str, params: list[Tensor], grads: list[Tensor],
+                 sam_grads: list[Tensor], alpha: float) -> list[Tensor]:
+    """LookSAM's gradient for a step of kind ``kind``: a sharpness-aware step refreshes the direction :math:`g_v`
+    (kept in ``optimizer.state[p]["looksam_direction"]``) and returns ``sam_grads``; a reuse step returns ``grads``
+    plus the kept direction scaled as in LookSAM."""
+    directions = []
+    for p in params:
+        state = optimizer.state[p]
+        if "looksam_direction" not in state:
+            state["looksam_direction"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        directions.append(state["looksam_direction"])
+    if kind == SAM_STEP:
+        torch._foreach_copy_(directions, looksam_direction(grads, sam_grads))
+        return sam_grads
+    return looksam_gradient(grads, directions, alpha)

@@ -93,20 +93,17 @@ from ..ops.efficient_sam import (
     SAM_STEP,
     SharpnessSchedule,
     check_esam_gamma,
-    looksam_direction,
-    looksam_gradient,
-    sharpness_sensitive_selection,
 )
 from ._common import (
     Closure,
     PerExampleClosure,
     as_closures,
+    ascent_gradients,
     check_real,
     gradients_at,
+    looksam_step,
     mean_loss,
     recorded_gradients_at,
-    replayed_gradients_at,
-    replayed_losses,
 )
 
 
@@ -280,7 +277,7 @@ class BayesianSAM(Optimizer):
                 curvature += bsam_curvature(g, s)
             if kind == SAM_STEP:
                 torch._foreach_copy_(params, perturbed)
-                grads_perturbed = self._perturbed_gradients(c, params, run, loss)
+                grads_perturbed = ascent_gradients(c, params, run, loss, self.esam_gamma)
             else:  # no ascent: the gradient at the noisy sample for the mean as well
                 grads_perturbed = grads
             if grad_sums is None:
@@ -301,7 +298,7 @@ class BayesianSAM(Optimizer):
             if noisy_sums is not None:
                 torch._foreach_div_(noisy_sums, float(num_closures))
         if self.schedule.looksam:
-            grad_sums = self._looksam(kind, params, noisy_sums, grad_sums)
+            grad_sums = looksam_step(self, kind, params, noisy_sums, grad_sums, self.schedule.looksam_alpha)
         pos = 0
         for group, ps, momenta, s in groups:
             n = len(ps)
@@ -322,27 +319,6 @@ class BayesianSAM(Optimizer):
             torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)
             pos += n
         return mean_loss(losses)
-
-    def _perturbed_gradients(self, closure: Closure | PerExampleClosure, params: list[Tensor], run: object,
-                             losses: Tensor | None) -> list[Tensor]:
-        r""":math:`g_\epsilon` at the perturbed mean: on the whole minibatch, or on ESAM's selection."""
-        if self.esam_gamma == 1:
-            return replayed_gradients_at(closure, params, run)
-        selection = sharpness_sensitive_selection(losses, replayed_losses(closure, run), self.esam_gamma)
-        return replayed_gradients_at(closure, params, run, per_example=True, subset=selection)
-
-    def _looksam(self, kind: str, params: list[Tensor], grads: list[Tensor], sam_grads: list[Tensor]) -> list[Tensor]:
-        """LookSAM: a bSAM step refreshes the direction :math:`g_v` (kept in the state), a reuse step adds it."""
-        directions = []
-        for p in params:
-            state = self.state[p]
-            if "looksam_direction" not in state:
-                state["looksam_direction"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            directions.append(state["looksam_direction"])
-        if kind == SAM_STEP:
-            torch._foreach_copy_(directions, looksam_direction(grads, sam_grads))
-            return sam_grads
-        return looksam_gradient(grads, directions, self.schedule.looksam_alpha)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

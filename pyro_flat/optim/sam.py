@@ -71,20 +71,17 @@ from ..ops.efficient_sam import (
     SAM_STEP,
     SharpnessSchedule,
     check_esam_gamma,
-    looksam_direction,
-    looksam_gradient,
-    sharpness_sensitive_selection,
 )
 from ..ops.sam import check_radius, sam_perturbation
 from ._common import (
     Closure,
     PerExampleClosure,
     as_closures,
+    ascent_gradients,
     gradients_at,
+    looksam_step,
     mean_loss,
     recorded_gradients_at,
-    replayed_gradients_at,
-    replayed_losses,
 )
 
 
@@ -183,7 +180,7 @@ class SAM(Optimizer):
             else:
                 loss, first, run = recorded_gradients_at(c, params, per_example=per_example)
                 torch._foreach_add_(params, self.perturbation(first, origin))
-                grads = self._sam_gradients(c, params, run, loss)
+                grads = ascent_gradients(c, params, run, loss, self.esam_gamma)
                 torch._foreach_copy_(params, origin)
             losses.append(loss.mean() if per_example else loss)
             grad_sum = _accumulate(grad_sum, grads, len(closures))
@@ -194,32 +191,11 @@ class SAM(Optimizer):
             if first_sum is not None and first_sum is not grad_sum:
                 torch._foreach_div_(first_sum, float(len(closures)))
         if self.schedule.looksam:
-            grad_sum = self._looksam(kind, params, first_sum, grad_sum)
+            grad_sum = looksam_step(self, kind, params, first_sum, grad_sum, self.schedule.looksam_alpha)
         for p, g in zip(params, grad_sum, strict=True):
             p.grad = g
         self.base_optimizer.step()
         return mean_loss(losses)
-
-    def _sam_gradients(self, closure: Closure | PerExampleClosure, params: list[Tensor], run: object,
-                       losses: Tensor | None) -> list[Tensor]:
-        """The SAM gradient at the perturbed ``params``: on the whole minibatch, or on ESAM's selection."""
-        if self.esam_gamma == 1:
-            return replayed_gradients_at(closure, params, run)
-        selection = sharpness_sensitive_selection(losses, replayed_losses(closure, run), self.esam_gamma)
-        return replayed_gradients_at(closure, params, run, per_example=True, subset=selection)
-
-    def _looksam(self, kind: str, params: list[Tensor], grads: list[Tensor], sam_grads: list[Tensor]) -> list[Tensor]:
-        """LookSAM: a SAM step refreshes the direction :math:`g_v` (kept in the state), a reuse step adds it."""
-        directions = []
-        for p in params:
-            state = self.state[p]
-            if "looksam_direction" not in state:
-                state["looksam_direction"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            directions.append(state["looksam_direction"])
-        if kind == SAM_STEP:
-            torch._foreach_copy_(directions, looksam_direction(grads, sam_grads))
-            return sam_grads
-        return looksam_gradient(grads, directions, self.schedule.looksam_alpha)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base_optimizer.zero_grad(set_to_none)
