@@ -9,10 +9,25 @@ import torch
 from torch import Tensor
 
 
+def is_int(value: object, minimum: float = -math.inf) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def is_real(
+    value: object, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
+) -> bool:
+    """Whether ``value`` is a finite real number (an int or a float, not a bool) between ``low`` and ``high`` (each end
+    included unless ``low_open`` / ``high_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+
+
 def check_int(value: object, name: str, *, minimum: int = 1, owner: str | None = None) -> int:
     """``value`` if it is an int (not a bool) of at least ``minimum``; otherwise a ``ValueError`` that names
     ``owner`` (the function or class being called), the argument and the bound."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value, minimum):
         prefix = f"{owner}: " if owner else ""
         raise ValueError(f"{prefix}`{name}` must be an int >= {minimum}, got {value!r}")
     return value
@@ -41,13 +56,19 @@ def check_real(
     ``high`` (each end included unless ``low_open`` / ``high_open``); otherwise a ``ValueError`` that names
     ``owner`` (the function or class being called), the argument and the accepted numbers, e.g.
     ``"SAM: `rho` must be a finite number >= 0, got -1"``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
+    if not is_real(value, low, high, low_open=low_open, high_open=high_open):
         prefix = f"{owner}: " if owner else ""
         raise ValueError(f"{prefix}`{name}` must be {_interval(low, high, low_open, high_open)}, got {value!r}")
     return float(value)
+
+
+def check_positive(
+    value: object, name: str, *, owner: str | None = None, allow_zero: bool = False, allow_none: bool = False
+) -> float | None:
+    """:func:`check_real` for a number ``> 0`` (``>= 0`` with ``allow_zero``; ``None`` passes with ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    return check_real(value, name, low=0, low_open=not allow_zero, owner=owner)
 
 
 def all_true(flags: Sequence[Tensor]) -> bool:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .._validation import check_int, check_positive, check_real
+
 LATENT_CHOICES = ("all", "norm_and_head", "head")
 
 
@@ -98,15 +100,11 @@ class RunConfig:
         positive_ints = ("num_epochs", "batch_size", "num_bma_samples", "ensemble_size", "lambda_max_draws",
                          "lambda_max_points", "lambda_max_iters")
         for name in positive_ints:
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"RunConfig.{name} must be a positive int, got {value!r}")
+            check_int(getattr(self, name), name, owner="RunConfig")
         for name in ("prior_scale", "lr", "vi_init_scale"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"RunConfig.{name} must be a number > 0, got {value!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"RunConfig.dropout must be in [0, 1), got {self.dropout!r}")
+            check_positive(getattr(self, name), name, owner="RunConfig")
+        check_real(self.dropout, "dropout", low=0, high=1, high_open=True, owner="RunConfig")
+        check_real(self.momentum, "momentum", low=0, high=1, high_open=True, owner="RunConfig")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"RunConfig.dtype must be 'float32' or 'float64', got {self.dtype!r}")
         choices = {"norm": ("batch", "group"), "latent": LATENT_CHOICES, "optimizer": ("adam", "sgd"),
@@ -115,13 +113,9 @@ class RunConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RunConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("depth", "width", "shots"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value > 0):
-                raise ValueError(f"RunConfig.{name} must be a positive int or None, got {value!r}")
-        if not (isinstance(self.num_workers, int) and self.num_workers >= 0):
-            raise ValueError(f"RunConfig.num_workers must be an int >= 0, got {self.num_workers!r}")
-        if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
-            raise ValueError(f"RunConfig.momentum must be in [0, 1), got {self.momentum!r}")
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, owner="RunConfig")
+        check_int(self.num_workers, "num_workers", minimum=0, owner="RunConfig")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,25 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._validation import is_int, is_real
 from .config import RunConfig
 
 __all__ = ["OPTION_VALUES", "check_option_values"]
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _in(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Callable[..., bool]:
-    def check(value: object, config: RunConfig) -> bool:
-        return _number(value) and (low < value if low_open else low <= value) and (
-            value < high if high_open else value <= high)
-
-    return check
+    return lambda value, config: is_real(value, low, high, low_open=low_open, high_open=high_open)
 
 
 POSITIVE = ("a number > 0", _in(0, math.inf, low_open=True))
@@ -41,8 +30,8 @@ OPTION_VALUES: dict[str, tuple[str, Callable[[Any, RunConfig], bool]]] = {
     # name: (what is expected, check(value, config))
     "rho": NON_NEGATIVE,
     "adaptive": ("True or False", lambda v, c: isinstance(v, bool)),
-    "rank": ("an int >= 1", lambda v, c: _int(v) and v >= 1),
-    "max_rank": ("an int >= 1", lambda v, c: _int(v) and v >= 1),
+    "rank": ("an int >= 1", lambda v, c: is_int(v, 1)),
+    "max_rank": ("an int >= 1", lambda v, c: is_int(v, 1)),
     "radius": NON_NEGATIVE,
     "kl_weight": NON_NEGATIVE,
     "backbone_swag": ("a file written by a SWAG method's save_swag", lambda v, c: isinstance(v, str) and v != ""),
@@ -50,13 +39,13 @@ OPTION_VALUES: dict[str, tuple[str, Callable[[Any, RunConfig], bool]]] = {
     "burn_in": ("a number in [0, 1)", _in(0, 1, high_open=True)),
     "lr": POSITIVE,
     "temperature": NON_NEGATIVE,
-    "cycles": ("None or an int >= 1", lambda v, c: v is None or (_int(v) and v >= 1)),
+    "cycles": ("None or an int >= 1", lambda v, c: v is None or is_int(v, 1)),
     "exploration": ("a number in [0, 1)", _in(0, 1, high_open=True)),
     "collect": ("'theta', 'anchor' or 'both'", lambda v, c: v in ("theta", "anchor", "both")),
     "eta": POSITIVE,
     "anchor_prior_scale": ("None or a number > 0", lambda v, c: v is None or POSITIVE[1](v, c)),
-    "swa_start": ("an int in [0, epochs)", lambda v, c: _int(v) and 0 <= v < c.num_epochs),
-    "m_sharpness": ("an int in [1, batch size]", lambda v, c: _int(v) and 1 <= v <= c.batch_size),
+    "swa_start": ("an int in [0, epochs)", lambda v, c: is_int(v, 0) and v < c.num_epochs),
+    "m_sharpness": ("an int in [1, batch size]", lambda v, c: is_int(v, 1) and v <= c.batch_size),
     "save_swag": ("a file path", lambda v, c: isinstance(v, str) and v != ""),
     "scale": POSITIVE,
     "dafactor": POSITIVE,
@@ -65,7 +54,7 @@ OPTION_VALUES: dict[str, tuple[str, Callable[[Any, RunConfig], bool]]] = {
     "beta2": ("a number in [0, 1]", _in(0, 1)),
     "init_scale": POSITIVE,
     "lr_low_ratio": ("a number in (0, 1]", _in(0, 1, low_open=True)),
-    "looksam_k": ("an int >= 1", lambda v, c: _int(v) and v >= 1),
+    "looksam_k": ("an int >= 1", lambda v, c: is_int(v, 1)),
     "looksam_alpha": NON_NEGATIVE,
     "esam_gamma": ("a number in (0, 1]", _in(0, 1, low_open=True)),
     "rst_p": ("a number in [0, 1]", _in(0, 1)),

@@ -30,7 +30,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from .._validation import check_int, check_real
+from .._validation import check_int, check_positive, check_real
 from .datasets import ClassificationData, RegressionData
 
 __all__ = [
@@ -49,10 +49,6 @@ def _resolve(device: torch.device | str | None, dtype: torch.dtype | None) -> tu
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"expected dtype to be a floating torch.dtype or None, got {dtype!r}")
     return torch.device("cpu" if device is None else device), torch.get_default_dtype() if dtype is None else dtype
-
-
-def _check_positive(owner: str, name: str, value: object) -> float:
-    return check_real(value, name, low=0, low_open=True, owner=owner)
 
 
 def _flat_prior(dim: int, device: torch.device, dtype: torch.dtype) -> dist.TorchDistribution:
@@ -243,8 +239,8 @@ class SharpFlatEnergy:
                 f"{owner}: expected sharp_mean and flat_mean to be vectors of one length D, got shapes "
                 f"{tuple(self.sharp_mode.shape)} and {tuple(self.flat_mode.shape)}"
             )
-        self.sharp_scale = _check_positive(owner, "sharp_scale", sharp_scale)
-        self.flat_scale = _check_positive(owner, "flat_scale", flat_scale)
+        self.sharp_scale = check_positive(sharp_scale, "sharp_scale", owner=owner)
+        self.flat_scale = check_positive(flat_scale, "flat_scale", owner=owner)
         self.sharp_weight = check_real(sharp_weight, "sharp_weight", low=0, high=1, low_open=True, high_open=True,
                                        owner=owner)
 
@@ -387,8 +383,8 @@ class BayesianLinearRegression:
             raise ValueError(f"{owner}: expected y of shape [N] = [{len(self.x)}] and dtype {self.x.dtype}")
         if self.y.device != self.x.device:
             raise ValueError(f"{owner}: expected y on x's device {self.x.device}, got {self.y.device}")
-        self.alpha = _check_positive(owner, "alpha", self.alpha)
-        self.beta = _check_positive(owner, "beta", self.beta)
+        self.alpha = check_positive(self.alpha, "alpha", owner=owner)
+        self.beta = check_positive(self.beta, "beta", owner=owner)
 
     @classmethod
     def generate(
@@ -416,7 +412,7 @@ class BayesianLinearRegression:
         owner = "BayesianLinearRegression.generate"
         check_int(num_data, "num_data", owner=owner)
         check_int(dim, "dim", owner=owner)
-        alpha, beta = _check_positive(owner, "alpha", alpha), _check_positive(owner, "beta", beta)
+        alpha, beta = check_positive(alpha, "alpha", owner=owner), check_positive(beta, "beta", owner=owner)
         device, dtype = _resolve(device, dtype)
         generator = torch.Generator().manual_seed(seed)
         x = torch.randn(num_data, dim, generator=generator, dtype=torch.float64)

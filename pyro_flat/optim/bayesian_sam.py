@@ -80,7 +80,7 @@ from torch import Tensor
 from torch.distributions import biject_to, transform_to
 from torch.optim import Optimizer
 
-from ..infer.autoguide.swag import AutoGaussianPosterior
+from ..infer.autoguide import AutoGaussianPosterior
 from ..ops.bayesian_sam import (
     bsam_curvature,
     bsam_noisy_params,

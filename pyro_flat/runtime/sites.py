@@ -16,7 +16,7 @@ from .._internals import is_deterministic_record
 from .batchnorm import batchnorm_statistics_frozen
 
 __all__ = ["NothingToPerturbWarning", "at_latent_values", "is_deterministic_site", "is_latent_site", "is_real_support",
-           "latent_sites", "latent_supports", "warn_nothing_to_perturb"]
+           "latent_sites", "latent_supports", "subsampled_plate", "warn_nothing_to_perturb"]
 
 
 class NothingToPerturbWarning(UserWarning):
@@ -44,6 +44,11 @@ def is_latent_site(site: dict) -> bool:
         and not is_deterministic_record(site)
         and not site["infer"].get("is_auxiliary", False)
     )
+
+
+def subsampled_plate(site: dict) -> str | None:
+    """The name of the first subsampled plate ``site`` sits in (a minibatch of a larger plate), else ``None``."""
+    return next((frame.name for frame in site["cond_indep_stack"] if frame.size != frame.full_size), None)
 
 
 def is_deterministic_site(site: dict) -> bool:

@@ -66,7 +66,7 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor
 from torch.distributions import biject_to, constraints
 
-from .._validation import check_real
+from .._validation import check_positive
 from ..ops.diffusions import coupling_potential
 from ..runtime.sites import is_latent_site
 from ._outer import hidden_outside, outer_conditions
@@ -93,16 +93,6 @@ _ANCHOR_FLAG = "_local_entropy_anchor"
 def anchor_name(name: str) -> str:
     """The anchor site of latent site ``name``."""
     return name + ANCHOR_SUFFIX
-
-
-def _check_eta(eta: object, owner: str) -> float:
-    return check_real(eta, "eta", low=0, low_open=True, owner=owner)
-
-
-def _check_optional_scale(scale: object, owner: str) -> float | None:
-    if scale is None:
-        return None
-    return check_real(scale, "anchor_prior_scale", low=0, low_open=True, owner=owner)
 
 
 def _sum_event(x: Tensor, event_dim: int) -> Tensor:
@@ -153,8 +143,9 @@ class LocalEntropyMessenger(Messenger):
     """
 
     def __init__(self, eta: float, anchor_prior_scale: float | None = None) -> None:
-        self.eta = _check_eta(eta, "local_entropy")
-        self.anchor_prior_scale = _check_optional_scale(anchor_prior_scale, "local_entropy")
+        self.eta = check_positive(eta, "eta", owner="local_entropy")
+        self.anchor_prior_scale = check_positive(anchor_prior_scale, "anchor_prior_scale", owner="local_entropy",
+                                                 allow_none=True)
         self._pending: set[str] = set()
         self._visible: dict[str, bool] = {}
         self._anchor_values: dict[str, Tensor] = {}
@@ -259,7 +250,7 @@ class local_entropy_potential:  # noqa: N801 (a function-like transform, named l
         if not callable(potential_fn):
             raise ValueError(f"local_entropy_potential: expected a callable potential_fn, got {potential_fn!r}")
         self.potential_fn = potential_fn
-        self.eta = _check_eta(eta, "local_entropy_potential")
+        self.eta = check_positive(eta, "eta", owner="local_entropy_potential")
 
     def __call__(self, params: Mapping[str, Tensor]) -> Tensor:
         theta = {k: v for k, v in params.items() if not k.endswith(ANCHOR_SUFFIX)}

@@ -61,9 +61,9 @@ from pyro.infer.autoguide import AutoContinuous, AutoNormal
 from torch import Tensor
 
 from ..._internals import autocontinuous_loc_scale
-from ..._validation import check_int, check_real
+from ..._validation import check_int, check_real, is_real
 from ...ops.moments import update_running_moments
-from ..autoguide.swag import AutoSWAG, SWAGCollector
+from ..autoguide import AutoSWAG, SWAGCollector
 
 VARIANCE_RULES = ("means", "total", "scales")
 
@@ -110,7 +110,7 @@ def cyclical_lr_scheduler(
     :param float lr_low: :math:`0<\gamma_2\le\gamma_1`.
     """
     lr_high = optim_args.get("lr") if isinstance(optim_args, Mapping) else None
-    if isinstance(lr_high, bool) or not isinstance(lr_high, (int, float)) or not lr_high > 0:
+    if not is_real(lr_high, 0, low_open=True):
         raise ValueError(f"cyclical_lr_scheduler: `optim_args` must contain a learning rate 'lr' > 0, got {lr_high!r}")
     check_real(lr_low, "lr_low", low=0, high=lr_high, low_open=True, owner="cyclical_lr_scheduler")
     schedule = CyclicalLR(cycle_length, lr_low / lr_high)

@@ -28,12 +28,12 @@ transitions, or, with a schedule that collects (:class:`~pyro_flat.infer.mcmc.Cy
 step. ``MCMC`` keeps every draw; to keep them in rows allocated once (in memory or in files), give them a
 :class:`~pyro_flat.infer.mcmc.DrawBuffer`; to keep none, stream them (:class:`~pyro_flat.infer.mcmc.DrawHook`).
 
-**Divergence.** Each gradient step records, on the device and without a host synchronisation, whether each site's
-new value and the potential are finite, and the first step at which one was not. The record is read every
-``divergence_check_every`` steps, in :meth:`diagnostics` and by :meth:`check_divergence`; a non-finite value raises a
-``FloatingPointError`` naming the (exact) first step and the site. Reading the record (one host read per check) is
-the only host synchronisation of the hot loop; the progress bar shows the step size (a Python number) and the
-potential energy read at the last check.
+**Divergence** (:mod:`pyro_flat.infer.mcmc.divergence`). Each gradient step records, on the device and without a
+host synchronisation, whether each site's new value and the potential are finite, and the first step at which one was
+not. The record is read every ``divergence_check_every`` steps, in :meth:`diagnostics` and by :meth:`check_divergence`;
+a non-finite value raises a ``FloatingPointError`` naming the (exact) first step and the site. Reading the record (one
+host read per check) is the only host synchronisation of the hot loop; the progress bar shows the step size (a Python
+number) and the potential energy read at the last check.
 
 **Compilation** (``jit_compile=True``, like Pyro's ``HMC``): the gradient evaluation — the model run at the
 current values, its potential and the backward pass — is captured once per shape of the latent values as a pure
@@ -47,7 +47,6 @@ be captured runs eagerly after one :class:`~pyro_flat.infer.compiled.Compilation
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -62,9 +61,10 @@ from torch import Tensor
 from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
-from ..._validation import check_int
+from ..._validation import check_int, check_positive
 from ..compiled import CompiledCalls, module_key, options_key, tensor_key
-from ..util import at_latent_values, is_latent_site
+from ..util import at_latent_values, is_latent_site, subsampled_plate
+from .divergence import describe, first_divergence, nonfinite_arguments, record_finiteness
 from .schedules import StepSizeSchedule, as_schedule
 
 __all__ = ["ModelPotential", "initialize_sg_model", "SamplerState", "StochasticGradientKernel"]
@@ -156,10 +156,10 @@ def initialize_sg_model(
                 f"site {name!r} is a discrete latent ({type(fn).__name__}); stochastic-gradient kernels need "
                 "continuous latent sites (marginalise or condition the discrete ones)"
             )
-        subsampled = [f.name for f in site["cond_indep_stack"] if f.size != f.full_size]
-        if subsampled:
+        plate = subsampled_plate(site)
+        if plate is not None:
             raise ValueError(
-                f"site {name!r} is a local latent inside the subsampled plate {subsampled[0]!r}: a kernel's state "
+                f"site {name!r} is a local latent inside the subsampled plate {plate!r}: a kernel's state "
                 "would hold only one minibatch's values of it. Sample local latents without subsampling their plate "
                 "(subsample only the plates of observations), or marginalise them"
             )
@@ -191,13 +191,6 @@ class SamplerState:
     potential: float = math.nan
     first_bad: dict[tuple[str, ...], Tensor] = field(default_factory=dict)
     last_potential: Tensor | None = None
-
-
-def _check_temperature(value: object, owner: str) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-    if not ok:
-        raise ValueError(f"{owner}: expected temperature to be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 class StochasticGradientKernel(MCMCKernel):
@@ -246,7 +239,7 @@ class StochasticGradientKernel(MCMCKernel):
             raise ValueError(f"{owner}: expected potential_fn to be callable, got {potential_fn!r}")
         self.model = model
         self.schedule = as_schedule(step_size, "step_size")
-        self.temperature = _check_temperature(temperature, owner)
+        self.temperature = check_positive(temperature, "temperature", owner=owner, allow_zero=True)
         if not callable(init_strategy):
             raise ValueError(f"{owner}: expected init_strategy to be callable, got {init_strategy!r}")
         self.init_strategy = init_strategy
@@ -474,23 +467,11 @@ class StochasticGradientKernel(MCMCKernel):
     def _record(
         self, tensors: Mapping[str, Tensor], potential: Tensor | None, *, steps: int = 1, label: str = ""
     ) -> None:
-        """Record the finiteness of ``tensors`` (and ``potential``) at the current step, then advance the step
-        counter by ``steps`` gradient evaluations; read the record every ``divergence_check_every`` steps."""
+        """Record the finiteness of ``tensors`` (and ``potential``) at the current step (:mod:`.divergence`), then
+        advance the step counter by ``steps`` gradient evaluations; read the record every ``divergence_check_every``
+        steps."""
         state = self._state
-        names = [f"{name}{label}" for name in tensors]
-        # a sum is finite iff every element is (barring an overflow of the sum itself, itself a divergence); it is
-        # cheap, unlike the infinity norm, whose foreach kernel is ~50x slower on CPU
-        values = [value.sum() for value in tensors.values()]
-        if potential is not None:
-            names.append("the potential energy")
-            values.append(potential)
-        reference = values[0]
-        finite = torch.isfinite(torch.stack([v.to(reference.dtype) for v in values]))
-        key = tuple(names)
-        first = state.first_bad.get(key)
-        if first is None:
-            first = torch.full((len(key),), -1, dtype=torch.int64, device=reference.device)
-        state.first_bad[key] = torch.where(~finite & (first < 0), state.step, first)
+        record_finiteness(state.first_bad, {f"{name}{label}": v for name, v in tensors.items()}, potential, state.step)
         if potential is not None:
             state.last_potential = potential
         before = state.step
@@ -505,68 +486,28 @@ class StochasticGradientKernel(MCMCKernel):
             site or the potential energy became NaN or infinite, and which.
         """
         state = self._state
-        # one read: [any non-finite value recorded, the last potential (for the progress bar: float32 is enough)]
-        summary = []
-        if state.first_bad:
-            summary.append(torch.stack([(first >= 0).any() for first in state.first_bad.values()]).any().float())
-        if state.last_potential is not None:
-            summary.append(state.last_potential.detach().float().reshape(()))
-        if not summary:
+        potential, divergence = first_divergence(state.first_bad, state.last_potential)
+        if potential is not None:
+            state.potential = potential
+        if divergence is None:
             return
-        values = torch.stack(summary).tolist()
-        if state.last_potential is not None:
-            state.potential = values[-1]
-        if not state.first_bad or values[0] == 0:
-            return
-        worst: tuple[int, list[str]] | None = None
-        for key, first in state.first_bad.items():
-            if bool((first >= 0).any()):
-                steps = first.tolist()
-                step = min(s for s in steps if s >= 0)
-                names = [name for name, s in zip(key, steps, strict=True) if s == step]
-                if worst is None or step < worst[0]:
-                    worst = (step, names)
-                elif step == worst[0]:
-                    worst[1].extend(names)
-        if worst is not None:
-            step, names = worst
-            sites = [n for n in names if n != "the potential energy"]
-            what = ", ".join(f"site {n!r}" for n in sites) if sites else "the potential energy"
-            if sites and len(sites) < len(names):
-                what += " and the potential energy"
-            bad_data = self._nonfinite_arguments()
-            if bad_data:
-                advice = (
-                    f"The model's data hold NaN or infinite values ({', '.join(bad_data)}), which the step size "
-                    "cannot fix: clean the data, or mask missing values (e.g. pyro.sample(..., obs_mask=...))."
-                )
-            else:
-                advice = (
-                    f"The step size there was {self.schedule(step):.3g} and the temperature {self.temperature:g}; "
-                    "lower the step size, or check the model and the initial values."
-                )
-            raise FloatingPointError(
-                f"{type(self).__name__} diverged at gradient step {step} (counted from 0, warm-up included): {what} "
-                f"became NaN or infinite. {advice}"
+        step, names = divergence
+        model_potential = self.potential_fn
+        if not isinstance(model_potential, ModelPotential):
+            model_potential = getattr(model_potential, "potential", None)  # e.g. EntropyMCMC's coupled potential
+        bad_data = [] if not isinstance(model_potential, ModelPotential) else nonfinite_arguments(
+            model_potential.model, model_potential.model_args, model_potential.model_kwargs)
+        if bad_data:
+            advice = (
+                f"The model's data hold NaN or infinite values ({', '.join(bad_data)}), which the step size "
+                "cannot fix: clean the data, or mask missing values (e.g. pyro.sample(..., obs_mask=...))."
             )
-
-    def _nonfinite_arguments(self) -> list[str]:
-        """The model's tensor arguments holding NaN or infinite values, named (read on the error path only)."""
-        potential = self.potential_fn
-        if not isinstance(potential, ModelPotential):
-            potential = getattr(potential, "potential", None)  # e.g. EntropyMCMC's coupled potential
-        if not isinstance(potential, ModelPotential):
-            return []
-        try:
-            bound = inspect.signature(potential.model).bind_partial(*potential.model_args, **potential.model_kwargs)
-            named = [(f"argument {k!r}", a) for k, a in bound.arguments.items()]
-        except (TypeError, ValueError):  # no signature: positions
-            named = [(f"argument {i}", a) for i, a in enumerate(potential.model_args)]
-            named += [(f"argument {k!r}", a) for k, a in potential.model_kwargs.items()]
-        out = []
-        for name, value in named:
-            if isinstance(value, Tensor) and value.is_floating_point():
-                count = int((~torch.isfinite(value)).sum())
-                if count:
-                    out.append(f"{name}: {count} of {value.numel()} values")
-        return out
+        else:
+            advice = (
+                f"The step size there was {self.schedule(step):.3g} and the temperature {self.temperature:g}; "
+                "lower the step size, or check the model and the initial values."
+            )
+        raise FloatingPointError(
+            f"{type(self).__name__} diverged at gradient step {step} (counted from 0, warm-up included): "
+            f"{describe(names)} became NaN or infinite. {advice}"
+        )

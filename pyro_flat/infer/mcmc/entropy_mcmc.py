@@ -23,11 +23,10 @@ import torch
 from torch import Tensor
 from torch.distributions.transforms import Transform
 
+from ..._validation import check_positive
 from ...ops.diffusions import coupling_potential
 from ...transforms.local_entropy import (
     ANCHOR_SUFFIX,
-    _check_eta,
-    _check_optional_scale,
     anchor_name,
     local_entropy,
     local_entropy_potential,
@@ -138,7 +137,7 @@ class EntropyMCMC(SGLD):
         warmup_anchors: Literal["conditional", "joint"] = "conditional",
         **kwargs: Any,
     ) -> None:
-        self.eta = _check_eta(eta, "EntropyMCMC")
+        self.eta = check_positive(eta, "eta", owner="EntropyMCMC")
         if collect not in ("theta", "anchor", "both"):
             raise ValueError(f"EntropyMCMC: expected collect in 'theta', 'anchor', 'both', got {collect!r}")
         if warmup_anchors not in ("conditional", "joint"):
@@ -148,7 +147,8 @@ class EntropyMCMC(SGLD):
         self.anchor_warmup_steps: int | None = None
         self.base_model = model
         flat_model = None if model is None else local_entropy(model, self.eta, anchor_prior_scale=anchor_prior_scale)
-        self.anchor_prior_scale = _check_optional_scale(anchor_prior_scale, "EntropyMCMC")
+        self.anchor_prior_scale = check_positive(anchor_prior_scale, "anchor_prior_scale", owner="EntropyMCMC",
+                                                 allow_none=True)
         if potential_fn is not None and anchor_prior_scale is not None:
             raise ValueError("EntropyMCMC: anchor_prior_scale is only supported with a model, not with potential_fn")
         flat_potential = None if potential_fn is None else local_entropy_potential(potential_fn, self.eta)

@@ -9,9 +9,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from ..._validation import check_int
+from ..._validation import check_int, check_positive
 from ...ops.diffusions import coupling_grad, langevin_step, running_mean
-from ...transforms.local_entropy import _check_eta
 from .base import Params, StochasticGradientKernel
 
 __all__ = ["EntropySGD"]
@@ -85,7 +84,7 @@ class EntropySGD(StochasticGradientKernel):
     ) -> None:
         super().__init__(model, potential_fn, **kwargs)
         owner = type(self).__name__
-        self.eta = _check_eta(eta, owner)
+        self.eta = check_positive(eta, "eta", owner=owner)
         self.num_inner_steps = check_int(num_inner_steps, "num_inner_steps", owner=owner)
         if mean_weight is not None:
             ok = isinstance(mean_weight, (int, float)) and not isinstance(mean_weight, bool)

@@ -22,17 +22,9 @@ from __future__ import annotations
 
 import math
 
-from ..._validation import check_int
+from ..._validation import check_int, check_positive, check_real
 
 __all__ = ["StepSizeSchedule", "ConstantStepSize", "PolynomialDecay", "CyclicalStepSize", "as_schedule"]
-
-
-def _positive(value: object, name: str, owner: str, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{owner}: expected {name} to be a finite number {bound}, got {value!r}")
-    return float(value)
 
 
 class StepSizeSchedule:
@@ -57,7 +49,7 @@ class ConstantStepSize(StepSizeSchedule):
     """
 
     def __init__(self, step_size: float) -> None:
-        self.step_size = _positive(step_size, "step_size", "ConstantStepSize")
+        self.step_size = check_positive(step_size, "step_size", owner="ConstantStepSize")
 
     def __call__(self, t: int) -> float:
         return self.step_size
@@ -78,9 +70,9 @@ class PolynomialDecay(StepSizeSchedule):
 
     def __init__(self, a: float, b: float = 1.0, gamma: float = 0.55) -> None:
         owner = "PolynomialDecay"
-        self.a = _positive(a, "a", owner)
-        self.b = _positive(b, "b", owner)
-        self.gamma = _positive(gamma, "gamma", owner, allow_zero=True)
+        self.a = check_positive(a, "a", owner=owner)
+        self.b = check_positive(b, "b", owner=owner)
+        self.gamma = check_positive(gamma, "gamma", owner=owner, allow_zero=True)
 
     def __call__(self, t: int) -> float:
         return self.a * (self.b + t) ** -self.gamma
@@ -118,15 +110,13 @@ class CyclicalStepSize(StepSizeSchedule):
         samples_per_cycle: int = 1,
     ) -> None:
         owner = "CyclicalStepSize"
-        self.initial_step_size = _positive(initial_step_size, "initial_step_size", owner)
+        self.initial_step_size = check_positive(initial_step_size, "initial_step_size", owner=owner)
         self.cycle_length = check_int(cycle_length, "cycle_length", owner=owner)
-        self.final_step_size = _positive(final_step_size, "final_step_size", owner, allow_zero=True)
+        self.final_step_size = check_positive(final_step_size, "final_step_size", owner=owner, allow_zero=True)
         if self.final_step_size > self.initial_step_size:
             raise ValueError(f"{owner}: expected final_step_size <= initial_step_size, got {final_step_size!r}")
-        frac = exploration_fraction
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
-            raise ValueError(f"{owner}: expected exploration_fraction in [0, 1), got {frac!r}")
-        self.exploration_fraction = float(frac)
+        self.exploration_fraction = check_real(exploration_fraction, "exploration_fraction", low=0, high=1,
+                                               high_open=True, owner=owner)
         self.samples_per_cycle = check_int(samples_per_cycle, "samples_per_cycle", owner=owner)
         first_sampling = math.ceil(self.exploration_fraction * self.cycle_length)
         stage = self.cycle_length - first_sampling
