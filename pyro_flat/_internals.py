@@ -5,7 +5,9 @@ to the releases tested.
 
 pyro_flat also subclasses Pyro's ELBOs and autoguides and overrides their protected hooks (``_get_traces``,
 ``_differentiable_loss_particle``, ``_setup_prototype``, ``_loc_scale``): that is Pyro's documented way to extend
-them, not a use of a private API, and stays in the subclasses.
+them, not a use of a private API, and stays in the subclasses. torch's multi-tensor list operations
+(``torch._foreach_add_``, ``torch._foreach_copy_``, ...) are called directly: they are the kernels torch's own
+optimizers are built on (their ``foreach=`` implementations), with no public alias to route through here.
 """
 
 from __future__ import annotations

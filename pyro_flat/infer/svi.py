@@ -10,6 +10,8 @@ from pyro.infer import ELBO, SVI
 from pyro.optim import PyroOptim
 from torch import Tensor
 
+from .._internals import unconstrained_of
+
 __all__ = ["TensorSVI"]
 
 
@@ -58,7 +60,7 @@ class TensorSVI(SVI):
         """One optimisation step (the loss's gradients, then the optimiser); returns the loss as a 0-dim tensor."""
         with poutine.trace(param_only=True) as param_capture:
             loss = self._differentiable_loss(self.model, self.guide, *args, **kwargs)
-        params = {site["value"].unconstrained() for site in param_capture.trace.nodes.values()}
+        params = {unconstrained_of(site["value"]) for site in param_capture.trace.nodes.values()}
         if params and loss.requires_grad:
             loss.backward()
         self.optim(params)

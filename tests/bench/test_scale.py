@@ -4,7 +4,6 @@ of every SVI method under torchrun (2 gloo ranks equal 1 rank)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import socket
@@ -23,13 +22,13 @@ from pyro_flat.bench.registry import load_data
 from pyro_flat.bench.runner import run_one
 from pyro_flat.data import VisionData, write_synthetic_cifar
 from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, KLBallELBO, SharpnessAwareELBO
+from pyro_flat.infer.elbo import kl_ball as kl_ball_module
 from pyro_flat.infer.util import latent_sites
 from pyro_flat.nn import init_to_network, unpacked_sites
+from pyro_flat.transforms import sharpness_aware_model as sharpness_aware_module
 
 pytest.importorskip("torchvision")
 ROOT = Path(__file__).resolve().parents[2]
-sharpness_aware_module = importlib.import_module("pyro_flat.transforms.sharpness_aware")  # (the package exports a
-kl_ball_module = importlib.import_module("pyro_flat.infer.elbo.kl_ball")  # function of the module's name)
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,6 @@ TINY = RunConfig(hidden=(32,), num_epochs=8, num_bma_samples=6, lambda_max_draws
                  lambda_max_iters=10)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: thread contention on the 2 shared cores costs more than a second thread gains."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_registrations():
     assert METHODS["sgld"].baseline is None
     assert METHODS["csgld"].baseline == "sgld"

@@ -56,7 +56,7 @@ from ...ops.fisher import (
 from ...ops.sam import check_radius
 from ...runtime.replay import RunRecorder, substituted_tensors
 from ...runtime.sites import warn_nothing_to_perturb
-from ...transforms.sharpness_aware import is_likelihood_site
+from ...transforms.sharpness_aware_model import is_likelihood_site
 from .trace_elbo import TensorTrace_ELBO
 
 __all__ = ["KLBallELBO"]

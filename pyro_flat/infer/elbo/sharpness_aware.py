@@ -58,7 +58,7 @@ from pyro.poutine import Trace
 
 from ...ops.efficient_sam import DEFAULT_LOOKSAM_ALPHA, SAM_STEP, SharpnessSchedule
 from ...runtime.sites import is_latent_site, is_real_support
-from ...transforms.sharpness_aware import SharpnessAwareModel, check_options
+from ...transforms.sharpness_aware_model import SharpnessAwareModel, check_options
 from .trace_elbo import TensorTrace_ELBO, TensorTraceMeanField_ELBO
 
 

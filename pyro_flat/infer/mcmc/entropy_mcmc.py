@@ -25,7 +25,7 @@ from torch.distributions.transforms import Transform
 
 from ..._validation import check_positive
 from ...ops.diffusions import coupling_potential
-from ...transforms.local_entropy import (
+from ...transforms.local_entropy_model import (
     ANCHOR_SUFFIX,
     anchor_name,
     local_entropy,

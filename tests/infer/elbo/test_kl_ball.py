@@ -23,6 +23,8 @@ from pyro_flat.infer import AutoLowRankPlusDiagonalNormal, KLBallELBO, NothingTo
 from pyro_flat.infer.replay import RunRecorder
 from pyro_flat.ops.sam import sam_perturbation
 
+from ...conformance.catalogue import local_model  # a global mean and one local latent per point, both subsampled
+
 X = torch.tensor([-0.5, 2.0, 1.0, 0.3, -1.2, 0.8], dtype=torch.float64)
 GUIDES = [AutoNormal, AutoDiagonalNormal, AutoLowRankPlusDiagonalNormal]
 
@@ -441,14 +443,6 @@ def test_runs_on_cuda():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # any reparameterised guide: hand-written, AutoMultivariateNormal, AutoGuideList, amortised; local latents
-
-
-def local_model(x, subsample_size=None):
-    """A global mean and one local latent per data point, both subsampled: z_i ~ N(mu, 1), x_i ~ N(z_i, 0.5)."""
-    mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
-    with pyro.plate("data", len(x), subsample_size=subsample_size) as idx:
-        z = pyro.sample("z", dist.Normal(mu, 1.0))
-        pyro.sample("x", dist.Normal(z, 0.5), obs=x[idx])
 
 
 def hand_written_guide(x, subsample_size=None):

@@ -18,7 +18,7 @@ from torch import nn
 from pyro_flat.infer import NothingToPerturbWarning, SharpnessAwareELBO, SharpnessAwareMeanFieldELBO
 from pyro_flat.nn import BayesianMLP, init_to_network
 from pyro_flat.transforms import sharpness_aware
-from pyro_flat.transforms.sharpness_aware import SharpnessAwareModel
+from pyro_flat.transforms.sharpness_aware_model import SharpnessAwareModel
 
 X = torch.tensor([-0.5, 2.0, 0.3, 1.1], dtype=torch.float64)
 

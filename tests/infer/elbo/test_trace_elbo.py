@@ -17,16 +17,10 @@ from pyro_flat.infer import TensorTrace_ELBO, TensorTraceMeanField_ELBO
 from pyro_flat.nn import BayesianMLP, init_to_network
 from pyro_flat.testing import HostSyncCounter
 
+from ...conformance.catalogue import local_model
 from .test_sharpness_aware import loss_and_param_grads
 
 X = torch.tensor([-0.5, 2.0, 0.3, 1.1, 0.7, -1.4], dtype=torch.float64)
-
-
-def local_model(x, subsample_size=None):
-    mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
-    with pyro.plate("data", len(x), subsample_size=subsample_size) as idx:
-        z = pyro.sample("z", dist.Normal(mu, 1.0))
-        pyro.sample("x", dist.Normal(z, 0.5), obs=x[idx])
 
 
 def local_guide(x, subsample_size=None, reparameterised=True):

@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from pyro.ops.stats import effective_sample_size
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The kernels' per-step tensors are small: with 2 intra-op threads per pytest-xdist worker on 2 shared cores,
-    thread contention made steps 10x slower. Run these tests single-threaded (results are unchanged)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def mcse_z(draws: torch.Tensor, truth: float) -> float:
