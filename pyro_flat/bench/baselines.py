@@ -59,10 +59,10 @@ def fit_vi(problem: Problem) -> Posterior:
     return fit_mean_field(problem, problem.build_model(), TensorTrace_ELBO())
 
 
-@register_method("mc_dropout", description="MC-Dropout: MAP with dropout, dropout kept on at test time")
-def fit_mc_dropout(problem: Problem) -> Posterior:
+def fit_dropout_map(problem: Problem, loss: pyro.infer.ELBO | None = None) -> Posterior:
+    """A dropout network's MAP point trained with ``loss``, predicting with dropout kept on (MC-Dropout's BMA)."""
     model = problem.build_model(dropout=problem.config.dropout)
-    fit = fit_map_point(problem, model)
+    fit = fit_map_point(problem, model, loss)
     return Posterior(
         model,
         lambda n: (fit["point"] for _ in range(n)),
@@ -70,6 +70,11 @@ def fit_mc_dropout(problem: Problem) -> Posterior:
         mc_dropout=True,
         info={"losses": fit["history"]},
     )
+
+
+@register_method("mc_dropout", description="MC-Dropout: MAP with dropout, dropout kept on at test time")
+def fit_mc_dropout(problem: Problem) -> Posterior:
+    return fit_dropout_map(problem)
 
 
 def fit_ensemble_points(problem: Problem, loss_factory: type | None = None) -> tuple[BayesianClassifier, list]:

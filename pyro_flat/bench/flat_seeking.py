@@ -29,7 +29,7 @@ References:
 from __future__ import annotations
 
 from ..infer import JitSharpnessAwareELBO, SharpnessAwareELBO
-from .baselines import fit_ensemble_points, fit_map_point, fit_mean_field
+from .baselines import fit_dropout_map, fit_ensemble_points, fit_map_point, fit_mean_field
 from .problem import Posterior, Problem
 from .registry import register_method
 
@@ -76,15 +76,7 @@ def fit_sam(problem: Problem) -> Posterior:
 @register_method("f_mc_dropout", description="F-MC-Dropout: dropout MAP trained with SAM (same mask in both passes)",
                  baseline="mc_dropout", reference=REFERENCE, options=OPTIONS)
 def fit_f_mc_dropout(problem: Problem) -> Posterior:
-    model = problem.build_model(dropout=problem.config.dropout)
-    fit = fit_map_point(problem, model, sharpness_aware_loss(problem, "f_mc_dropout"))
-    return Posterior(
-        model,
-        lambda n: (fit["point"] for _ in range(n)),
-        problem.config.num_bma_samples,
-        mc_dropout=True,
-        info={"losses": fit["history"]},
-    )
+    return fit_dropout_map(problem, sharpness_aware_loss(problem, "f_mc_dropout"))
 
 
 @register_method("f_ensemble", description="F-Deep-Ensemble: MAP members each trained with SAM",

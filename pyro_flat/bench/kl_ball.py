@@ -94,24 +94,18 @@ def fit_vi_low_rank(problem: Problem) -> Posterior:
     return _low_rank_fit(problem, "vi_low_rank", None)
 
 
-@register_method(
-    "sa_bma",
-    description="SA-BMA: KLBallELBO (Fisher direction) + low-rank-plus-diagonal guide",
-    baseline="vi_low_rank",
-    reference=REFERENCE,
-    options=("rank", "radius", "kl_weight", "backbone_swag", "backbone_scale"),
-)
+SA_BMA = {"baseline": "vi_low_rank", "reference": REFERENCE,
+          "options": ("rank", "radius", "kl_weight", "backbone_swag", "backbone_scale")}
+"""What the two SA-BMA variants share in the registry."""
+
+
+@register_method("sa_bma", description="SA-BMA: KLBallELBO (Fisher direction) + low-rank-plus-diagonal guide", **SA_BMA)
 def fit_sa_bma(problem: Problem) -> Posterior:
     return _low_rank_fit(problem, "sa_bma", _kl_ball(problem))
 
 
-@register_method(
-    "sa_bma_score",
-    description="SA-BMA, authors' code variant: KLBallELBO (normalised score) + low-rank-plus-diagonal guide",
-    baseline="vi_low_rank",
-    reference=REFERENCE,
-    options=("rank", "radius", "kl_weight", "backbone_swag", "backbone_scale"),
-)
+@register_method("sa_bma_score", description="SA-BMA, authors' code variant: KLBallELBO (normalised score) + "
+                 "low-rank-plus-diagonal guide", **SA_BMA)
 def fit_sa_bma_score(problem: Problem) -> Posterior:
     return _low_rank_fit(problem, "sa_bma_score", _kl_ball(problem), direction="normalized_score")
 

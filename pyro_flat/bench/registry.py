@@ -13,35 +13,20 @@ from dataclasses import dataclass
 
 from ..data import VISION_DATASETS, ClassificationData, load_digits, load_mnist1d
 from ..data.images import load_vision_data
+from . import models
 from .config import RunConfig
-from .models import (  # the model builders' home; importable from here too, where they were
-    CONV_MODELS,
-    MODELS,
-    build_cnn,
-    build_mlp,
-    build_preresnet,
-    build_resnet18,
-    build_resnet18_imagenet,
-    build_wrn,
-)
+from .models import *  # noqa: F403 (the model builders' home; importable from here too, where they were)
 
 __all__ = [
-    "CONV_MODELS",
     "DATASETS",
     "METHODS",
-    "MODELS",
     "MethodSpec",
-    "build_cnn",
-    "build_mlp",
-    "build_preresnet",
-    "build_resnet18",
-    "build_resnet18_imagenet",
-    "build_wrn",
     "check_method_options",
     "dataset_names",
     "load_data",
     "lookup",
     "register_method",
+    *models.__all__,
 ]
 
 
@@ -84,7 +69,7 @@ def load_data(name: str, config: RunConfig) -> ClassificationData:
     """The dataset ``name`` as the run's model needs it (flattened for an MLP), on the CPU in the run's dtype; image
     datasets come from ``config.data_root`` (a :class:`~pyro_flat.data.VisionData`), reduced to ``config.shots``
     examples per class if set."""
-    flatten = config.model not in CONV_MODELS
+    flatten = config.model not in models.CONV_MODELS
     if name in VISION_DATASETS:
         if config.data_root is None:
             raise ValueError(f"dataset {name!r} is read from a local folder: pass its root (--data-root DIR)")

@@ -30,6 +30,22 @@ from .._validation import check_int
 from .bayesian import make_bayesian
 
 
+def _minibatch(
+    x: Tensor, y: Tensor | None, subsample_size: int | None, num_data: int | None
+) -> tuple[pyro.plate, Tensor, Tensor | None]:
+    """The data plate of a likelihood and the (sub)batch it scores: ``x`` and ``y`` indexed by the plate's subsample
+    when the model draws its own minibatch (``subsample_size``); a batch given from outside (``num_data``) or the
+    whole data as they are."""
+    if y is not None and (not isinstance(y, Tensor) or y.shape != x.shape[:1]):
+        raise ValueError(f"`y` must be a tensor of shape [{len(x)}], got {getattr(y, 'shape', y)!r}")
+    plate = _data_plate(x, subsample_size, num_data)
+    if subsample_size is not None:
+        with plate as idx:
+            x = x[idx]
+            y = None if y is None else y[idx]
+    return plate, x, y
+
+
 def _data_plate(x: Tensor, subsample_size: int | None, num_data: int | None) -> pyro.plate:
     if subsample_size is not None and num_data is not None:
         raise ValueError("pass either `subsample_size` (in-model minibatches) or `num_data` (external), not both")
@@ -72,27 +88,13 @@ class BayesianClassifier(PyroModule):
     def _check(self, x: Tensor, y: Tensor | None) -> None:
         if not isinstance(x, Tensor) or x.dim() < 2:
             raise ValueError(f"`x` must be a tensor of shape [batch, features...], got {getattr(x, 'shape', x)!r}")
-        if y is None:
-            return
-        if not isinstance(y, Tensor) or y.shape != x.shape[:1]:
-            raise ValueError(f"`y` must be a tensor of shape [{len(x)}], got {getattr(y, 'shape', y)!r}")
-        if y.dtype.is_floating_point or y.dtype == torch.bool:
+        if isinstance(y, Tensor) and (y.dtype.is_floating_point or y.dtype == torch.bool):
             raise ValueError(f"`y` must hold integer class labels, got dtype {y.dtype}")
 
-    def forward(
-        self,
-        x: Tensor,
-        y: Tensor | None = None,
-        *,
-        subsample_size: int | None = None,
-        num_data: int | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, y: Tensor | None = None, *, subsample_size: int | None = None,
+                num_data: int | None = None) -> Tensor:
         self._check(x, y)
-        plate = _data_plate(x, subsample_size, num_data)
-        if subsample_size is not None:
-            with plate as idx:
-                x = x[idx]
-                y = None if y is None else y[idx]
+        plate, x, y = _minibatch(x, y, subsample_size, num_data)
         if self.autocast is None:
             logits = self.net(x)
         else:
@@ -123,21 +125,9 @@ class BayesianRegressor(PyroModule):
         self.net = net
         self.obs_scale = obs_scale
 
-    def forward(
-        self,
-        x: Tensor,
-        y: Tensor | None = None,
-        *,
-        subsample_size: int | None = None,
-        num_data: int | None = None,
-    ) -> Tensor:
-        if y is not None and (not isinstance(y, Tensor) or y.shape != x.shape[:1]):
-            raise ValueError(f"`y` must be a tensor of shape [{len(x)}], got {getattr(y, 'shape', y)!r}")
-        plate = _data_plate(x, subsample_size, num_data)
-        if subsample_size is not None:
-            with plate as idx:
-                x = x[idx]
-                y = None if y is None else y[idx]
+    def forward(self, x: Tensor, y: Tensor | None = None, *, subsample_size: int | None = None,
+                num_data: int | None = None) -> Tensor:
+        plate, x, y = _minibatch(x, y, subsample_size, num_data)
         out = self.net(x)
         if self.obs_scale is None:
             if out.shape[-1] != 2:
