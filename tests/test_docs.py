@@ -153,7 +153,7 @@ def test_page_code_runs(page, monkeypatch, capsys):
         assert namespace["report"]["acc"] > 0.8
     if page == "guide/which-method.md":  # the page's claim: VI recovers the exact sd, the flat posterior is narrower
         exact, vi, flat = (float(namespace[k].mean()) for k in ("exact_sd", "vi_sd", "flat_sd"))
-        # one seed, 1500 one-sample steps: VI came within 1 % of exact and SA-ELBO 37 % below it; the bounds leave
+        # one seed, 600 one-sample steps: VI came within 1 % of exact and SA-ELBO 37 % below it; the bounds leave
         # room for the optimiser's noise and are far from both
         assert abs(vi / exact - 1) < 0.1 and flat < 0.8 * exact, (exact, vi, flat)
     if page == "guide/extending.md":

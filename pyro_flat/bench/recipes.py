@@ -200,7 +200,10 @@ _register(Recipe(
               {"sa_bma_score": {"radius": 0.5**2 / 2, "kl_weight": 0.0}, "swag": {"swa_start": 76, "max_rank": 5},
                "f_swag": {"swa_start": 76, "max_rank": 5}, "sgld": {"lr": 5e-2, "temperature": 1.0},
                "emcmc": {"lr": 5e-2, "temperature": 1.0, "eta": 1e-2}},
-              smoke=SMOKE | {"shots": 2}, smoke_options=SMOKE_OPTIONS),
+              # the smoke preset runs one method of each kind on the pretrained network: SVI, a closure optimizer, a
+              # trajectory, the KL ball and a kernel (every method runs on small networks in the other recipes)
+              smoke=SMOKE | {"shots": 2}, smoke_options=SMOKE_OPTIONS,
+              smoke_methods=("map", "bsam", "swag", "sa_bma", "emcmc")),
         Stage("transfer_swag_backbone", "ResNet-18 (ImageNet), norm + head latent, frozen block ~ source SWAG",
               ("cifar10",), ("vi_low_rank", "sa_bma", "sa_bma_score"),
               _transfer(),

@@ -182,7 +182,7 @@ def test_pyro_autodelta_form_reaches_the_blr_posterior_mean():
         loss.backward()
         return loss
 
-    for _ in range(3000):
+    for _ in range(800):  # measured: within 2e-12 of the fixed point after 500 steps, 1e-16 after 750
         opt.step(closure)
     torch.testing.assert_close(guide.median()["w"], blr.posterior_mean, rtol=1e-6, atol=1e-6)
     # posterior draws for a BMA: m + z / sqrt(N s), the guide restored afterwards
