@@ -19,13 +19,12 @@ github.com/team-approx-bayes/bayesian-sam):
     m &\leftarrow m - \alpha\, g_m / s &&\text{(with the old } s\text{)}\\
     s &\leftarrow \beta_2 s + (1-\beta_2)(g_s + \gamma + \delta),
 
-all elementwise; there is no bias correction. The functions below implement the pieces so that the optimizer
-(:class:`pyro_flat.optim.BayesianSAM`) and the tests share one implementation; the noise :math:`e_j` is an argument.
-
-**Fixed point for a quadratic** [derived from the recursion above]. For :math:`\bar\ell(\theta)=\tfrac12\sum_i
-h_i(\theta_i-a_i)^2` with :math:`\delta=0`, the mean settles at :math:`m=a` (the minimiser), where
-:math:`\sqrt{s}\,|g| = h|e|/\sqrt N` no longer depends on :math:`s`; hence
-:math:`\mathbb E[s] = h\sqrt{2/(\pi N)} + \gamma` at stationarity, and the sample variance is :math:`1/(Ns)`.
+all elementwise; as in the authors' code there is no bias correction, and :math:`s` already contains
+:math:`\gamma+\delta`, so the sample variance is :math:`1/(Ns)`. The functions below implement the pieces so that the
+optimizer (:class:`pyro_flat.optim.BayesianSAM`) and the tests share one implementation; the noise :math:`e_j` is an
+argument. For a quadratic :math:`\bar\ell(\theta)=\tfrac12\sum_i h_i(\theta_i-a_i)^2` with :math:`\delta=0` the
+recursion has the fixed point :math:`m=a`, :math:`\mathbb E[s] = h\sqrt{2/(\pi N)} + \gamma` (derived on the *Flat
+Gaussians from trajectories* page of the documentation, ``docs/methods/trajectories.md``).
 
 References:
     * [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),

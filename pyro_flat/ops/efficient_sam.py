@@ -2,44 +2,29 @@ r"""Cheaper sharpness-aware steps: LookSAM [1], ESAM's sharpness-sensitive data 
 
 A SAM step [4] evaluates two gradients of the minibatch loss :math:`L`: :math:`g=\nabla L(\theta)` for the ascent
 :math:`\hat\epsilon=\rho g/\|g\|_2`, and the SAM gradient :math:`g_s=\nabla L(\theta+\hat\epsilon)` that the
-optimizer steps with. Each method below spends less:
+optimizer steps with. Each method below spends less; every default is SAM.
 
-**LookSAM** [1] computes :math:`g_s` only on every :math:`k`-th step. There it keeps the component of :math:`g_s`
-orthogonal to :math:`g`,
+**LookSAM** [1] computes :math:`g_s` only on every :math:`k`-th step, keeping its component orthogonal to :math:`g`,
+:math:`g_v = g_s - \langle g, g_s\rangle g/\|g\|_2^2`; the :math:`k-1` steps in between evaluate :math:`g` only and
+step with
 
-.. math:: g_v = g_s - \frac{\langle g, g_s\rangle}{\|g\|_2^2}\, g
+.. math:: g_s \approx g + \alpha\,\frac{\|g\|_2}{\|g_v\|_2}\, g_v,
 
-(the paper's :math:`g_s-\|g_s\|\cos(\phi)\,g/\|g\|`, :math:`\phi` the angle between them), and on the
-:math:`k-1` steps in between, which evaluate :math:`g` only, it steps with
+norms and inner products global over all tensors (the paper's Algorithm 1; :math:`k=5`, :math:`\alpha=0.7` there).
 
-.. math:: g_s \approx g + \alpha\,\frac{\|g\|_2}{\|g_v\|_2}\, g_v .
+**ESAM's sharpness-sensitive data selection (SDS)** [2] takes the ascent on the whole minibatch :math:`B` and the SAM
+gradient :math:`g_s = \nabla L_{B^+}(\theta+\hat\epsilon)` on the :math:`\max(1,\lfloor\gamma|B|\rfloor)` examples
+:math:`B^+` whose loss rises most, :math:`\ell_i(\theta+\hat\epsilon)-\ell_i(\theta)` (one forward pass at
+:math:`\theta+\hat\epsilon` without gradients finds them; a fixed size, where the authors' code keeps one fewer; the
+paper uses :math:`\gamma=0.5`). ESAM's stochastic weight perturbation saves nothing in a dense framework: not offered.
 
-Norms and inner products are global over all tensors, as in the paper's Algorithm 1. The paper uses :math:`k=5`
-and :math:`\alpha=0.7`; :math:`k=1` is SAM.
+**RST** [3] makes each step a SAM step with probability :math:`p` and a step of the base method (:math:`g` alone)
+otherwise: :math:`1+p` gradient evaluations expected (the paper's constant schedule, :math:`p=0.5` there).
 
-**ESAM's sharpness-sensitive data selection (SDS)** [2] computes the ascent on the whole minibatch and the SAM
-gradient on the fraction :math:`\gamma` of its examples whose loss rises most under the perturbation,
-
-.. math:: g_s = \nabla L_{B^+}(\theta+\hat\epsilon),\qquad
-    B^+ = \text{the } \lfloor\gamma|B|\rfloor \text{ examples } i \text{ with the largest }
-    \ell_i(\theta+\hat\epsilon)-\ell_i(\theta),
-
-:math:`L_{B^+}` the mean loss over :math:`B^+`; finding :math:`B^+` costs one forward pass at
-:math:`\theta+\hat\epsilon` without gradients. The authors' code keeps the examples strictly above the
-:math:`\lfloor\gamma|B|\rfloor`-th largest increase (one fewer); here exactly :math:`\lfloor\gamma|B|\rfloor` (at
-least one) are kept, so the selection has a fixed size. :math:`\gamma=1` is SAM; the paper uses :math:`\gamma=0.5`.
-(ESAM's other half, stochastic weight perturbation, saves nothing in a dense framework and is not offered.)
-
-**RST** [3] draws, at every step, a Bernoulli trial with probability :math:`p`: a SAM step on success, a step of the
-base method (the gradient :math:`g` alone) otherwise; the expected cost is :math:`1+p` gradient evaluations. The
-paper's constant schedule is offered (:math:`p=0.5` there); :math:`p=1` is SAM.
-
-:class:`SharpnessSchedule` decides what each step of LookSAM or RST computes. Its random choices come from a Python
-:class:`random.Random` (a Mersenne Twister), seeded once from torch's CPU generator when the schedule is made (or from
-``rst_seed``): the choice of a step reads no tensor, so it makes no host synchronisation on a GPU, it is known
-before the step runs (a step that takes no ascent skips its passes instead of computing and discarding them, and a
-compiled step can be captured once per kind), and it is part of :meth:`SharpnessSchedule.state_dict`, so a run
-resumed from a checkpoint makes the same choices as an uninterrupted one.
+:class:`SharpnessSchedule` decides what each step computes. How the sharpness-aware transform, the SA-ELBOs,
+:class:`~pyro_flat.optim.SAM` and :class:`~pyro_flat.optim.BayesianSAM` take these steps, and where this
+implementation departs from the authors' code: the *Cheaper steps* page of the documentation
+(``docs/methods/cheaper-steps.md``).
 
 References:
     * [1] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
@@ -121,6 +106,12 @@ class SharpnessSchedule:
     r"""What each step of a sharpness-aware method computes: every step a SAM step (the default), LookSAM's refresh
     every ``looksam_k`` steps with reuse steps in between, or RST's SAM step with probability ``rst_p`` and a base
     step otherwise (see the module docstring).
+
+    Its random choices come from a Python :class:`random.Random` (a Mersenne Twister), seeded once from torch's CPU
+    generator when the schedule is made (or from ``rst_seed``): the choice of a step reads no tensor, so it makes no
+    host synchronisation on a GPU; it is known before the step runs (a step that takes no ascent skips its passes
+    instead of computing and discarding them, and a compiled step can be captured once per kind); and it is part of
+    :meth:`state_dict`, so a run resumed from a checkpoint makes the same choices as an uninterrupted one.
 
     :param str owner: the object it schedules, for error messages.
     :param int looksam_k: LookSAM's period :math:`k\ge1` (1: every step is a SAM step).

@@ -11,37 +11,25 @@ loss inside the ball :math:`\mathrm{KL}(q_{\phi+\delta}\|q_\phi)\le\gamma` into 
 
 **Diagonal Gaussian** :math:`\mathcal N(m, \mathrm{diag}(s^2))` whose scale is the image :math:`s = T(u)` of the
 parameter :math:`u` that is actually optimised (``softplus`` for Pyro's autoguides, ``exp`` for a log-scale): the
-Fisher in :math:`(m, u)` is diagonal [derived],
-
-.. math:: F_m = \frac{1}{s^2}, \qquad F_u = \frac{2\, T'(u)^2}{s^2}
-    \quad(\text{so } F_{\log s} = 2),
-
-with no cross terms. For a fixed isotropic scale :math:`s` and only the mean learned, :math:`\delta^* =
-s\sqrt{2\gamma}\, g/\|g\|_2`: SAM's step [2] with radius :math:`\rho = s\sqrt{2\gamma}`.
+Fisher in :math:`(m, u)` is diagonal, :math:`F_m = 1/s^2`, :math:`F_u = 2T'(u)^2/s^2`. With a fixed isotropic scale
+and only the mean learned, :math:`\delta^*` is SAM's step [2] with radius :math:`\rho = s\sqrt{2\gamma}`.
 
 **Low-rank plus diagonal Gaussian** :math:`\mathcal N(m, \Sigma)`, :math:`\Sigma = \mathrm{diag}(s)(I + VV^\top)
 \mathrm{diag}(s)`, :math:`V\in\mathbb R^{P\times K}` (SWAG's family, with the relative factor of Pyro's
-``AutoLowRankMultivariateNormal``; :math:`W = \mathrm{diag}(s)V` is SWAG's absolute factor). Mean and covariance
-parameters decouple exactly, and the mean block :math:`F_m = \Sigma^{-1}` is used exactly (:math:`F_m^{-1}g = \Sigma
-g`, :math:`O(PK)`). The covariance block of the marginal Fisher is dense, and in the factor it *vanishes* at
-:math:`V = 0` (the KL is quartic in :math:`V` there), so an approximation is needed. We use the Fisher of the
-**augmented** distribution :math:`q(\theta, z)` of the sampling process :math:`z\sim\mathcal N(0, I_K)`,
-:math:`\theta_i\mid z\sim\mathcal N(m_i + s_i v_i^\top z,\ s_i^2)`, which is block diagonal over the coordinates
-:math:`i`, with a :math:`(1+K)\times(1+K)` block in :math:`(u_i, v_i)` [derived]:
+``AutoLowRankMultivariateNormal``). The mean block :math:`F_m = \Sigma^{-1}` is used exactly (:math:`F_m^{-1}g =
+\Sigma g`). The marginal Fisher's factor block vanishes at :math:`V=0`, so the covariance blocks use the Fisher of the
+**augmented** sampling process :math:`z\sim\mathcal N(0, I_K)`, :math:`\theta_i\mid z\sim\mathcal N(m_i + s_i
+v_i^\top z,\ s_i^2)`: a :math:`(1+K)\times(1+K)` block per coordinate :math:`i`, in :math:`(u_i, v_i)`,
 
 .. math:: \tilde F_i = \begin{pmatrix} T'^2(\|v_i\|^2 + 2)/s_i^2 & T' v_i^\top/s_i \\ T' v_i/s_i & I_K
-    \end{pmatrix},\qquad
-    \tilde F_i^{-1}\begin{pmatrix} g_u \\ g_v\end{pmatrix} = \begin{pmatrix} x_u \\ g_v - \tfrac{T'}{s_i}v_i x_u
-    \end{pmatrix},\quad x_u = \frac{s_i^2}{2T'^2}\Big(g_u - \frac{T'}{s_i} v_i^\top g_v\Big).
+    \end{pmatrix},
 
-By the chain rule of the KL divergence, :math:`\mathrm{KL}(q'(\theta)\|q(\theta)) \le \mathrm{KL}(q'(\theta,z)\|
-q(\theta,z))`, so the augmented Fisher dominates the marginal one (in the Loewner order) and the step stays inside
-the KL ball to second order: :math:`\mathrm{KL}(q_{\phi+\delta^*}\|q_\phi) \le \gamma + O(\gamma^{3/2})`, with
-equality when only the mean and the diagonal move at :math:`V = 0`.
+which dominates the marginal Fisher, so the step stays inside the KL ball to second order.
 
-**The authors' code variant** (github.com/SungJun98/SA-BMA, ``utils/sabma/sabma.py``): instead of the loss gradient,
-the score :math:`s = \nabla_\phi \log q_\phi(\theta)` at the sampled :math:`\theta` is normalised separately for each
-block :math:`k` (mean, scale, factor), :math:`\delta_k = \rho\, s_k / \|s_k\|_2`, with :math:`\rho = \sqrt{2\gamma}`.
+**The authors' code variant** (github.com/SungJun98/SA-BMA): the score :math:`s = \nabla_\phi \log q_\phi(\theta)`
+normalised per block :math:`k` (mean, scale, factor), :math:`\delta_k = \sqrt{2\gamma}\, s_k / \|s_k\|_2`.
+Derivations (the Fisher blocks, their inverse, the domination): the *SA-BMA* page of the documentation
+(``docs/methods/kl-ball.md``).
 
 References:
     * [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,
@@ -113,8 +101,9 @@ def low_rank_gaussian_inverse_fisher_product(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     r""":math:`\tilde F^{-1} g` for :math:`\mathcal N(m, \mathrm{diag}(s)(I + VV^\top)\mathrm{diag}(s))` with the
     approximation of the module docstring: exact mean block :math:`\Sigma g_m`; augmented-Fisher blocks in
-    :math:`(u_i, v_i)` per coordinate. A ``None`` gradient marks a block that is not a parameter (held fixed): the
-    remaining blocks then use their own sub-block of :math:`\tilde F`.
+    :math:`(u_i, v_i)` per coordinate, :math:`\tilde F_i^{-1}(g_u, g_v) = (x_u,\ g_v - \tfrac{T'}{s_i}v_i x_u)` with
+    :math:`x_u = \tfrac{s_i^2}{2T'^2}(g_u - \tfrac{T'}{s_i} v_i^\top g_v)`. A ``None`` gradient marks a block that is
+    not a parameter (held fixed): the remaining blocks then use their own sub-block of :math:`\tilde F`.
 
     :param grad_loc: :math:`g_m \in \mathbb R^P` (or ``None``).
     :param grad_scale: :math:`g_u\in\mathbb R^P` (or ``None``).

@@ -2,28 +2,13 @@ r"""Bayesian SAM (bSAM): a closure-based :class:`torch.optim.Optimizer` that lea
 
 bSAM [1] optimises the relaxed Bayes objective of "SAM as an Optimal Relaxation of Bayes" with the Bayesian learning
 rule, over the family :math:`q(\theta)=\mathcal N\big(m,\ \operatorname{diag}(1/(Ns))\big)`: the parameters hold
-the mean :math:`m`, the state holds the precision-like vector :math:`s` (posterior precision :math:`Ns`) and the
-momentum :math:`g_m`. One step draws a noisy sample :math:`\theta=m+e/\sqrt{Ns}`, takes the gradient :math:`g` of
-the mean minibatch loss there, perturbs the *mean* by the unnormalised :math:`\epsilon=\rho g/s`, takes the gradient
-:math:`g_\epsilon` at :math:`m+\epsilon` and updates
-
-.. math::
-    g_m \leftarrow \beta_1 g_m + (1-\beta_1)(g_\epsilon + \delta m),\qquad
-    m \leftarrow m - \alpha\,g_m/s,\qquad
-    s \leftarrow \beta_2 s + (1-\beta_2)\big(\sqrt s\,|g| + \gamma + \delta\big),
-
-with :math:`\delta=\text{prior\_precision}/N`: the target is the posterior under the prior
-:math:`\mathcal N(0, \text{prior\_precision}^{-1} I)` of a model whose negative log-likelihood is
-:math:`N\bar\ell(\theta)`. The equations, the m-sharpness average and a derived fixed point are in
-:mod:`pyro_flat.ops.bayesian_sam` (one implementation, shared with the tests). This follows ``optim.py``
-(``build_bsam_optimizer``) of github.com/team-approx-bayes/bayesian-sam exactly, including what it omits: no bias
-correction, the mean step uses the old :math:`s`, and :math:`s` already contains :math:`\gamma+\delta`, so the sample
-variance is :math:`1/(Ns)`.
-
-**With** :math:`\rho=0` the second gradient is taken at the mean itself, :math:`g_\epsilon=\nabla\bar\ell(m)`,
-and bSAM becomes a variational-online-Newton-type method (an Adam-like natural-gradient update of a diagonal
-Gaussian, as VOGN/IVON): the mean moves along the gradient at :math:`m` preconditioned by :math:`s`, while :math:`s`
-tracks :math:`\sqrt s|g|` at noisy samples. It still costs two gradient evaluations.
+the mean :math:`m`, the state holds the precision-like vector :math:`s` and the momentum :math:`g_m`; the target is
+the posterior under the prior :math:`\mathcal N(0, \text{prior\_precision}^{-1} I)` of a model whose negative
+log-likelihood is :math:`N\bar\ell(\theta)`. One step draws :math:`\theta=m+e/\sqrt{Ns}`, perturbs the *mean* by
+:math:`\epsilon=\rho g/s` (:math:`g` the gradient at :math:`\theta`) and updates :math:`g_m, m, s` with the gradient
+at :math:`m+\epsilon`: the equations, m-sharpness and a fixed point are in :mod:`pyro_flat.ops.bayesian_sam` (one
+implementation, shared with the tests); derivation and the case :math:`\rho=0`: the *Flat Gaussians from
+trajectories* page of the documentation (``docs/methods/trajectories.md``).
 
 **Pyro-facing form.** Run bSAM on the parameters of an ``AutoDelta`` guide (in unconstrained space, which equals the
 latent space for real-valued network weights); the closure returns the *mean negative log-likelihood* of a fixed
@@ -46,25 +31,14 @@ minibatch at the guide's values — no prior term, since the prior enters throug
     posterior = opt.guide(model, guide)                           # N(m, 1/(N s)) as a Pyro guide
     Predictive(model, guide=posterior, num_samples=30)(x_test)    # or bma_predict(model, guide_draws(...), x_test)
 
-**Cheaper steps** (:mod:`pyro_flat.ops.efficient_sam`; every default gives bSAM's step). A bSAM step without the
-ascent uses the gradient at the noisy sample for the mean too, :math:`g_\epsilon\leftarrow g` (one gradient
-evaluation: a variational online Newton step, as IVON takes). LookSAM [2] (``looksam_k`` :math:`k>1`): every
-:math:`k`-th step is a bSAM step, which keeps :math:`g_v=g_\epsilon-\langle g,g_\epsilon\rangle g/\|g\|^2`; the
-steps in between use :math:`g_\epsilon\leftarrow g+\alpha\|g\|g_v/\|g_v\|`. ESAM's data selection [3]
-(``esam_gamma`` :math:`\gamma<1`): :math:`g_\epsilon` is taken on the fraction :math:`\gamma` of the minibatch
-whose loss rises most from the noisy sample to :math:`m+\epsilon`. RST [4] (``rst_p`` :math:`p<1`): a bSAM step
-with probability :math:`p`, else the step without the ascent.
+**Cheaper steps** (``looksam_k``, ``looksam_alpha``, ``esam_gamma``, ``rst_p``; every default gives bSAM's step):
+LookSAM, ESAM and RST: see :mod:`pyro_flat.ops.efficient_sam` (references there). A step without the ascent uses the
+gradient at the noisy sample for the mean too, :math:`g_\epsilon\leftarrow g` (one gradient evaluation); how each
+option applies to bSAM: the *Cheaper steps* page of the documentation (``docs/methods/cheaper-steps.md``).
 
 References:
     * [1] `SAM as an Optimal Relaxation of Bayes`, Thomas Möllenhoff, Mohammad Emtiyaz Khan (ICLR 2023),
       arXiv:2210.01620
-    * [2] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
-      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
-    * [3] `Efficient Sharpness-aware Minimization for Improved Training of Neural Networks`, Jiawei Du, Hanshu Yan,
-      Jiashi Feng, Joey Tianyi Zhou, Liangli Zhen, Rick Siow Mong Goh, Vincent Y. F. Tan (ICLR 2022),
-      arXiv:2110.03141
-    * [4] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
-      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
@@ -131,11 +105,11 @@ class BayesianSAM(Optimizer):
         ``--custominit``).
     :param generator: the random generator of the noise :math:`e`, on the parameters' device; default the global
         one. It is not part of :meth:`state_dict`.
-    :param int looksam_k: LookSAM's period :math:`k\ge1` [2]; default 1 (a bSAM step every step).
+    :param int looksam_k: LookSAM's period :math:`k\ge1`; default 1 (a bSAM step every step).
     :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
-    :param float esam_gamma: ESAM's :math:`\gamma\in(0,1]` [3]; default 1 (the whole minibatch). Below 1 the closure
+    :param float esam_gamma: ESAM's :math:`\gamma\in(0,1]`; default 1 (the whole minibatch). Below 1 the closure
         protocol is :class:`~pyro_flat.optim.SAM`'s per-example one.
-    :param float rst_p: RST's probability :math:`p\in[0,1]` of a bSAM step [4]; default 1.
+    :param float rst_p: RST's probability :math:`p\in[0,1]` of a bSAM step; default 1.
     :param rst_seed: the seed of RST's choices (default: drawn once from torch's CPU generator).
     :raises ValueError: for a hyperparameter outside its range (negative ``rho``, ``prior_precision`` or
         ``damping``; a non-positive ``num_data``, ``lr`` or ``init_scale``; ``beta`` outside ``[0, 1)``; a bad

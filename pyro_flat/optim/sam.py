@@ -1,21 +1,16 @@
 r"""Sharpness-aware minimisation (SAM) as a closure-based :class:`torch.optim.Optimizer` that wraps a base optimizer.
 
-SAM [1] minimises :math:`\max_{\|\epsilon\|_2\le\rho} L(\theta+\epsilon)` with one ascent step: at the parameters
-:math:`\theta` it computes the gradient :math:`g=\nabla L_{\mathcal B}(\theta)` of the minibatch loss, moves to the
-first-order worst case :math:`\theta+\hat\epsilon` with
+SAM [1] minimises :math:`\max_{\|\epsilon\|_2\le\rho} L(\theta+\epsilon)` with one ascent step: the base optimizer
+(SGD, Adam, ...) steps with
 
-.. math:: \hat\epsilon = \rho\,\frac{g}{\|g\|_2}\qquad\Big(\text{ASAM [2]: }\ \hat\epsilon=\rho\,
-    \frac{|\theta|^2\odot g}{\|\,|\theta|\odot g\,\|_2}\Big),
+.. math:: g_{\mathrm{SAM}}=\nabla L_{\mathcal B}(\theta+\hat\epsilon),\qquad \hat\epsilon = \rho\,\frac{g}{\|g\|_2},
+    \quad g=\nabla L_{\mathcal B}(\theta),
 
-takes the gradient there, :math:`g_{\mathrm{SAM}}=\nabla L_{\mathcal B}(\theta+\hat\epsilon)`, returns to
-:math:`\theta` and lets the base optimizer (SGD, Adam, ...) step with :math:`g_{\mathrm{SAM}}`. The norm is the
-*global* L2 norm over every parameter of every group (:func:`pyro_flat.ops.sam.sam_perturbation`), and
-:math:`\hat\epsilon` is a constant (no gradient flows through it).
-
-**m-sharpness** [1]. Passing a *sequence* of :math:`M` closures, one per disjoint sub-batch of the minibatch, gives
-every sub-batch its own perturbation :math:`\hat\epsilon_j` (from its own gradient) and averages the second-pass
-gradients, :math:`g_{\mathrm{SAM}}=\frac1M\sum_j\nabla L_j(\theta+\hat\epsilon_j)`, as ``build_sam_optimizer`` in
-github.com/team-approx-bayes/bayesian-sam does (``batchsplit`` 8 there).
+:math:`L_{\mathcal B}` the minibatch loss, the norm global over every parameter of every group and
+:math:`\hat\epsilon` a constant (:func:`pyro_flat.ops.sam.sam_perturbation`, with ASAM [2]'s elementwise scaling when
+``adaptive``). **m-sharpness** [1]: a *sequence* of :math:`M` closures, one per disjoint sub-batch, gives each its own
+:math:`\hat\epsilon_j` and :math:`g_{\mathrm{SAM}}=\frac1M\sum_j\nabla L_j(\theta+\hat\epsilon_j)`. Derivation: the
+*Sharpness-aware posteriors* page of the documentation (``docs/methods/sharpness-aware.md``).
 
 Why a closure and not a :class:`pyro.optim.PyroOptim`: SAM needs a global norm and a second gradient evaluation at
 the perturbed point, which a per-tensor Pyro optimizer cannot do. With a Pyro model, build the closure from a Pyro
@@ -28,33 +23,19 @@ as weight decay)::
     idx = torch.randperm(N)[:B]                                  # one minibatch for both passes
     opt.step(lambda: (elbo.differentiable_loss(model, guide, x[idx], y[idx], num_data=N) / N).backward())
 
-The closure runs twice per step; the second evaluation replays the first (:mod:`pyro_flat.infer.replay`): the same
-random numbers (dropout masks, indices drawn with torch's generator), the same subsample indices of any ``pyro.plate``
-it runs, and BatchNorm running statistics left unchanged by the perturbed pass (the F-BNN code's
-``disable_running_stats``).
+The closure runs twice per step; the second evaluation replays the first (:mod:`pyro_flat.infer.replay`: the same
+random numbers, ``pyro.plate`` subsample indices, BatchNorm running statistics left unchanged).
 
-**Cheaper steps** (:mod:`pyro_flat.ops.efficient_sam`; every default gives SAM's step). LookSAM [3]
-(``looksam_k`` :math:`k>1`): the SAM gradient is computed every :math:`k`-th step, which keeps its part orthogonal to
-the gradient, :math:`g_v=g_s-\langle g,g_s\rangle g/\|g\|^2`; the steps in between evaluate
-:math:`g=\nabla L_{\mathcal B}(\theta)` only and step with :math:`g+\alpha\|g\|g_v/\|g_v\|`
-(``looksam_alpha`` :math:`\alpha`). ESAM's data selection [4] (``esam_gamma`` :math:`\gamma<1`): the SAM gradient
-is taken on the fraction :math:`\gamma` of the minibatch whose loss rises most at :math:`\theta+\hat\epsilon`
-(one extra forward pass finds them). RST [5] (``rst_p`` :math:`p<1`): each step is a SAM step with probability
-:math:`p`, else a step of the base optimizer with :math:`g`. With m-sharpness, LookSAM's :math:`g` and :math:`g_s`
-are the means over the sub-batches and ESAM selects in each sub-batch.
+**Cheaper steps** (``looksam_k``, ``looksam_alpha``, ``esam_gamma``, ``rst_p``; every default gives SAM's step):
+LookSAM, ESAM and RST: see :mod:`pyro_flat.ops.efficient_sam` (references there); with m-sharpness LookSAM's
+gradients are the sub-batch means and ESAM selects in each sub-batch (the *Cheaper steps* page,
+``docs/methods/cheaper-steps.md``).
 
 References:
     * [1] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
       Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
     * [2] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
       Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
-    * [3] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
-      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
-    * [4] `Efficient Sharpness-aware Minimization for Improved Training of Neural Networks`, Jiawei Du, Hanshu Yan,
-      Jiashi Feng, Joey Tianyi Zhou, Liangli Zhen, Rick Siow Mong Goh, Vincent Y. F. Tan (ICLR 2022),
-      arXiv:2110.03141
-    * [5] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
-      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
@@ -95,12 +76,12 @@ class SAM(Optimizer):
     :param float rho: the radius :math:`\rho\ge0`; default 0.05 (the SAM paper's CIFAR value [1]).
         ``rho=0`` gives the base optimizer at twice the cost.
     :param bool adaptive: use ASAM's elementwise scaling :math:`|\theta|` [2]; default ``False``.
-    :param int looksam_k: LookSAM's period :math:`k\ge1` [3]: the SAM gradient every :math:`k`-th step, the reused
+    :param int looksam_k: LookSAM's period :math:`k\ge1`: the SAM gradient every :math:`k`-th step, the reused
         direction in between; default 1 (SAM at every step; the paper uses 5).
     :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
-    :param float esam_gamma: ESAM's :math:`\gamma\in(0,1]` [4], the fraction of each minibatch the SAM gradient is
+    :param float esam_gamma: ESAM's :math:`\gamma\in(0,1]`, the fraction of each minibatch the SAM gradient is
         taken on; default 1 (the whole minibatch; the paper uses 0.5). Below 1 the closure protocol changes (below).
-    :param float rst_p: RST's probability :math:`p\in[0,1]` of a SAM step [5]; default 1 (every step; the paper's
+    :param float rst_p: RST's probability :math:`p\in[0,1]` of a SAM step; default 1 (every step; the paper's
         constant schedule uses 0.5).
     :param rst_seed: the seed of RST's choices (default: drawn once from torch's CPU generator; see
         :class:`~pyro_flat.ops.efficient_sam.SharpnessSchedule`).

@@ -13,40 +13,23 @@ joint density is
 i.e. for every latent site ``name`` it adds
 
 * a latent site ``f"{name}_anchor"`` (:data:`ANCHOR_SUFFIX`) with the site's shape and support and an improper prior
-  that is flat in the unconstrained coordinates (density :math:`|\det J_t(\theta_a)|` on the support: Lebesgue
-  measure on :math:`u` pushed through :math:`t^{-1}`), and
+  that is flat in the unconstrained coordinates (density :math:`|\det J_t(\theta_a)|` on the support), and
 * a factor site ``f"{name}_coupling"`` with log density :math:`-\|t(\theta) - t(\theta_a)\|^2/(2\eta)`.
 
-In the coordinates :math:`(z, u)` that an MCMC kernel moves, the prior's Jacobian and the sampler's cancel, so the
-potential is :math:`U(\theta(z)) - \log|\det J_{t^{-1}}(z)| + \|z-u\|^2/(2\eta)`. Exact facts (for any :math:`U`):
+Exactly, for any :math:`U`: the :math:`\theta`-marginal is the **original posterior**, and the :math:`u`-marginal is
+the posterior of the unconstrained coordinates convolved with :math:`\mathcal N(0, \eta I)`
+(:math:`\mathcal N(0, \eta T I)` at temperature :math:`T`), on which sharp modes lose their height (the local entropy
+of [2]); anchors are valid values of their site. Any Pyro inference can run on the transformed model; SGLD on it,
+updating :math:`\theta` and :math:`\theta_a` jointly, is Entropy-MCMC (:class:`~pyro_flat.infer.mcmc.EntropyMCMC`)
+[1]. The same :math:`\eta` and :math:`T` as the authors' code are used here, with the step size
+:math:`\varepsilon = \alpha/N` for their learning rate :math:`\alpha` (Pyro's subsampled plate gives the full-data
+log joint; their mean-loss scaling divides by :math:`N`).
 
-* the :math:`\theta`-marginal is the **original posterior**: :math:`\int e^{-\|z-u\|^2/(2\eta)}\,du` is a constant;
-* the :math:`u`-marginal is :math:`\propto \exp F(u;\eta)`, :math:`F(u;\eta) = \log\int \exp(-U_z(z) -
-  \|z-u\|^2/(2\eta))\,dz` with :math:`U_z` the potential of :math:`z` (Jacobian included): the posterior of the
-  unconstrained coordinates convolved with :math:`\mathcal N(0, \eta I)` (with :math:`\mathcal N(0, \eta T I)` at
-  temperature :math:`T`), on which sharp modes lose their height; :math:`\theta_a = t^{-1}(u)` maps it back into the
-  support, so anchors are valid values of their site.
-
-Any Pyro inference can run on the transformed model; SGLD on it, updating :math:`\theta` and :math:`\theta_a`
-jointly, is Entropy-MCMC (:class:`~pyro_flat.infer.mcmc.EntropyMCMC`) [1].
-
-**Mapping to the paper's code.** Li & Zhang write the loss as a mean over the :math:`N` data, so their coupling is
-:math:`\|\theta-\theta_a\|^2/(2\eta N)` and their noise :math:`\sqrt{2\alpha T/N}`. Pyro's subsampled plate gives the
-*full-data* log joint, so the same :math:`\eta` and :math:`T` are used here, with the step size
-:math:`\varepsilon = \alpha/N`. Their weight decay ``wd`` also acts on :math:`\theta_a`; to reproduce it give the
-anchors a Gaussian prior with precision :math:`N\cdot\mathrm{wd}` on :math:`u` (``anchor_prior_scale = (N
-wd)^{-1/2}``), which makes the :math:`\theta`-marginal differ from the posterior.
-
-**Handlers applied outside the transformed model.** A site conditioned by an outer ``pyro.condition`` is an
-observation (no anchor), as if conditioned inside — unless the same condition also gives the site's anchor: then it is
-a latent value of the joint (the potential of Pyro's HMC/NUTS on the transformed model conditions every site and
-anchor). A selective outer ``poutine.block`` hides a site from the transform (no anchor), as inside; an outer
-``poutine.do``, or an outer block that hides an anchor while its site stays visible, is refused with the site's name.
-
-.. note:: Whenever no handler gives the anchor a value (an unconditioned run, e.g. the initialisation of a kernel under
-    any ``init_strategy``, or an autoguide's prototype trace), the anchor takes a copy of its site's value, as in the
-    authors' code. A network with batch normalisation needs its statistics recomputed for each anchor draw before
-    prediction (``bma_predict`` with ``batchnorm_inputs``).
+An outer ``pyro.condition`` of a site makes it an observation (no anchor), as inside, unless the same condition gives
+its anchor too (then both are latent values of the joint, as in Pyro's HMC/NUTS potential); an outer ``poutine.do``
+is refused. Whenever no handler gives an anchor a value, it takes a copy of its site's value, as in the authors' code.
+Derivation, the paper's hyperparameters and the rules for every outer handler: the *SG-MCMC and Entropy-MCMC* page of
+the documentation (``docs/methods/sgmcmc.md``).
 
 References:
     * [1] `Entropy-MCMC: Sampling from Flat Basins with Ease`, Bolian Li, Ruqi Zhang (ICLR 2024), arXiv:2310.05401

@@ -12,78 +12,28 @@ model run, with its plate scale :math:`N/B`, so that :math:`\ell_B` estimates th
     \hat\epsilon(\theta) = \rho\, \frac{\hat g}{\|\hat g\|_2},\quad
     \hat g = \operatorname{sg}\!\big[\nabla_\theta\, (-\ell_B(\theta))\big],
 
-where :math:`\rho` is the SAM radius, :math:`\|\cdot\|_2` the *global* L2 norm over all latent sites together (as in
-SAM [2], not one norm per site), :math:`\mathcal D_B` the minibatch drawn by the model's own
-``pyro.plate(..., subsample_size=B)`` and :math:`\operatorname{sg}` a stop-gradient: the ascent direction is a
-constant, gradients reach :math:`\theta` through :math:`\theta+\hat\epsilon` only. :math:`\theta+\hat\epsilon` is the
-first-order solution of :math:`\max_{\|\theta'-\theta\|_2\le\rho}(-\ell_B(\theta'))`, so this is the
-sharpness-aware posterior of [1],
+where :math:`\rho` is the SAM radius, :math:`\|\cdot\|_2` the *global* L2 norm over all latent sites together (SAM's
+ascent, and ASAM's with ``adaptive=True``: :mod:`pyro_flat.ops.sam`, references there), :math:`\mathcal D_B` the
+minibatch drawn by the model's own ``pyro.plate(..., subsample_size=B)`` and :math:`\operatorname{sg}` a
+stop-gradient. With one SAM step for the inner maximum this is the sharpness-aware posterior
+:math:`q_{\mathrm{SA}}(\theta\mid S)\propto\exp(-N\max_{\theta'\in B_\rho(\theta)}L_S(\theta'))\,p(\theta)` of
+[1]: SVI with any guide on it is the SA-ELBO, ``AutoDelta`` is SAM (the prior as weight decay), SGLD is F-SGLD.
 
-.. math::
-
-    q_{\mathrm{SA}}(\theta\mid S)\propto\exp\big(-\lambda\max_{\theta'\in B_\rho(\theta)}L_S(\theta')\big)
-    \,p(\theta),
-
-with :math:`\lambda=N`, one SAM step for the inner maximum and the minibatch for :math:`S`. Any Pyro inference
-on the transformed model targets it: SVI with any guide, MAP with ``AutoDelta`` (which *is* SAM, with the prior as
-weight decay), and SGLD (which is F-SGLD).
-
-One call of the transformed model costs two forward and two backward passes of the network, like one SAM step:
-a **recording pass** in the caller's context (latent values :math:`\theta` from the enclosing handlers — a guide's
-replay, :func:`~pyro_flat.infer.at_latent_values`, the prior — recorded by them with the prior at :math:`\theta`;
-the observed sites hidden from them; :math:`\hat g` by autograd through a zero shift of each latent value), then a
-**perturbed pass** at :math:`\theta+\hat\epsilon` that replays the first exactly (:mod:`pyro_flat.infer.replay`:
-same subsample indices, random numbers and observations, BatchNorm statistics frozen) and enters the enclosing model
-as the factor site ``"sharpness_aware_log_likelihood"``. The ascent is taken in each site's unconstrained space, with
-one norm per particle under ``vectorize_particles``.
-
-**Handlers applied outside the transformed model** give the density of the transform applied inside them. One rule
-for conditioning: a site that an outer ``pyro.condition``/``poutine.condition`` gives a value is an *observation*,
-exactly as if conditioned inside — ``pyro.condition(sharpness_aware(model), data)`` is
-``sharpness_aware(pyro.condition(model, data))`` for any ``data`` (observations or latent sites), however many
-conditions are stacked and wherever the other sites are conditioned. Latent values are set with
-:func:`~pyro_flat.infer.at_latent_values` (Pyro's ``replay``), as pyro_flat's kernels and every guide do. Pyro's
-HMC/NUTS potential and ``Predictive`` fix latent values with ``poutine.condition``: on the transformed model they see
-the model's own density (nothing is left to perturb, and a :class:`~pyro_flat.infer.NothingToPerturbWarning` says so
-when gradients are on); sample the sharpness-aware posterior with :class:`~pyro_flat.infer.mcmc.SGLD` (F-SGLD). A
-selective outer ``poutine.block`` hides a site from the transform as inside; an outer ``poutine.do`` or
-``poutine.reparam`` is refused (apply them inside). A model reparameterised inside (``poutine.reparam``, e.g.
-``LocScaleReparam``) is perturbed through its new latent sites.
-
-**Cheaper steps** (:mod:`pyro_flat.ops.efficient_sam`; the defaults give the density above at every call). With
-LookSAM [4] (``looksam_k`` :math:`k>1`) every :math:`k`-th gradient evaluation takes the ascent and keeps the part of
-the SAM gradient orthogonal to the gradient at :math:`\theta`, :math:`g_v=g_s-\langle g,g_s\rangle g/\|g\|^2`
-(gradients of :math:`-\ell_B` with respect to the latent values, global over the sites, one per particle); the
-evaluations in between run the recording pass only and give the latent values the gradient
-:math:`g+\alpha\|g\|g_v/\|g_v\|`. With RST [5] (``rst_p`` :math:`p<1`) each gradient evaluation takes the ascent
-with probability :math:`p` and is the model's own density at :math:`\theta` otherwise (one pass). A step without the
-ascent has the value :math:`\ell_B(\theta)`. The schedule advances at every call with gradients enabled (one per
-step of SVI with one or vectorised particles or of an SG-MCMC kernel; the SA-ELBOs advance it once per step for all
-their particles); calls without gradients (``Predictive``, ``SVI.evaluate_loss``) take the ascent and leave it alone.
-On a LookSAM step the likelihood's gradients come from explicit ``torch.autograd.grad`` calls (one backward pass per
-pass, as SAM's), so every trainable tensor the likelihood reads must be a latent value or a Pyro parameter
-(``pyro.param``, a ``PyroModule`` parameter, ``pyro.module``); another one is refused with a ``ValueError`` at the
-first such step. ESAM's data selection is not offered here: the minibatch is drawn by the model's own plate, whose
-``subsample_size`` fixes its size, so part of it cannot be scored without the model's help (it is an option of
-:class:`~pyro_flat.optim.SAM` and :class:`~pyro_flat.optim.BayesianSAM`, whose closures take a subset).
-
-**Nothing to perturb.** A run without an observed site (e.g. ``y`` omitted) or without a continuous latent site
-gives the model's own density; in a run with gradients enabled (an inference step) a
-:class:`~pyro_flat.infer.NothingToPerturbWarning` says so, once per transformed model and cause (under
-``torch.no_grad()``, e.g. ``Predictive`` drawing the observations, or with the observations hidden by an outer block,
-e.g. an autoguide's prototype run, it is expected and silent).
+One call costs two forward and two backward passes, like a SAM step: a **recording pass** in the caller's context
+(:math:`\theta` from the enclosing handlers, which record the prior; the observed sites hidden from them;
+:math:`\hat g` by autograd through a zero shift of each latent value), then a **perturbed pass** at
+:math:`\theta+\hat\epsilon` that replays the first (:mod:`pyro_flat.infer.replay`) and enters the model as the factor
+site ``"sharpness_aware_log_likelihood"``. The ascent is taken in each site's unconstrained space. An outer
+``pyro.condition`` observes, as if applied inside; latent values are set with
+:func:`~pyro_flat.infer.at_latent_values`. A run without an observed or a continuous latent site has nothing to
+perturb: the model's own density, with a :class:`~pyro_flat.infer.NothingToPerturbWarning`. LookSAM and RST
+(``looksam_k``, ``rst_p``): :mod:`pyro_flat.ops.efficient_sam` (references there). Derivation, the rules for every
+outer handler and the cheaper steps' semantics: the *Sharpness-aware posteriors* and *Cheaper steps* pages of the
+documentation (``docs/methods/sharpness-aware.md``, ``docs/methods/cheaper-steps.md``).
 
 References:
     * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
       Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
-    * [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-    * [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-      Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
-    * [4] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
-      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
-    * [5] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
-      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
@@ -289,8 +239,9 @@ class SharpnessAwareModel(nn.Module):
     :param bool distributed: average :math:`\hat g` over the ranks of ``process_group`` before its norm is taken
         (see :mod:`pyro_flat.distributed`).
     :param process_group: the :mod:`torch.distributed` group of ``distributed`` (default: the world).
-    :param schedule: which calls take the ascent (LookSAM, RST; see the module docstring), shared with its owner (the
-        SA-ELBOs pass theirs); default ``None``: every call. It also keeps LookSAM's directions :math:`g_v`, by site.
+    :param schedule: which calls take the ascent (LookSAM, RST: a
+        :class:`~pyro_flat.ops.efficient_sam.SharpnessSchedule`), shared with its owner (the SA-ELBOs pass theirs);
+        default ``None``: every call. It also keeps LookSAM's directions :math:`g_v`, by site.
     """
 
     def __init__(
@@ -667,17 +618,17 @@ def sharpness_aware(
         values; minibatches are drawn inside it by ``pyro.plate(..., subsample_size=B)`` or passed with ``num_data``.
     :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05, the F-BNN code's value for CIFAR-10 and
         ImageNet fine-tuning [1] (0.1 for CIFAR-100). :math:`\rho=0` gives the model's own density.
-    :param bool adaptive: ASAM [3] scaling :math:`\hat\epsilon=\rho\,T_\theta^2\hat g/\|T_\theta\hat g\|_2`,
-        :math:`T_\theta=|\theta|`; default ``False``.
+    :param bool adaptive: ASAM scaling :math:`\hat\epsilon=\rho\,T_\theta^2\hat g/\|T_\theta\hat g\|_2`,
+        :math:`T_\theta=|\theta|` (:mod:`pyro_flat.ops.sam`); default ``False``.
     :param bool freeze_batchnorm: BatchNorm running statistics are not updated by the extra passes (the F-BNN code's
         ``disable_running_stats``); default ``True``.
     :param bool distributed: average :math:`\hat g` over the ranks before its norm is taken (one ``all_reduce``,
         :mod:`pyro_flat.distributed`); default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
-    :param int looksam_k: LookSAM's period :math:`k\ge1` [4]: the ascent every :math:`k`-th gradient evaluation, the
+    :param int looksam_k: LookSAM's period :math:`k\ge1`: the ascent every :math:`k`-th gradient evaluation, the
         reused direction in between; default 1 (every evaluation; the paper uses 5).
     :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
-    :param float rst_p: RST's probability :math:`p\in[0,1]` that a gradient evaluation takes the ascent [5]; default
+    :param float rst_p: RST's probability :math:`p\in[0,1]` that a gradient evaluation takes the ascent; default
         1 (every one; the paper's constant schedule uses 0.5).
     :param rst_seed: the seed of RST's choices; default ``None``: drawn once from torch's CPU generator here.
     :returns: the transformed model, a :class:`SharpnessAwareModel`.

@@ -9,17 +9,14 @@ around the current one,
 
 where :math:`q_\phi` is the guide (parameters :math:`\phi`: every ``pyro.param`` of the guide, i.e. the tensors
 Pyro's optimiser updates, in their unconstrained form), :math:`p` the prior, :math:`\gamma` the radius (nats) and
-:math:`\beta` ``kl_weight``. The inner maximum is replaced by one linearised step,
-
-.. math:: \delta^* = \sqrt{2\gamma}\;\frac{F_\phi^{-1} g}{\sqrt{g^\top F_\phi^{-1} g}},\qquad
-    g = \nabla_\phi\, \big[-\log p(\mathcal D_B\mid\theta)\big]_{\theta = f_\phi(\epsilon)},
-
-with :math:`F_\phi` the Fisher information of the guide in its own parameters (the Hessian of
-:math:`\phi'\mapsto\mathrm{KL}(q_{\phi'}\|q_\phi)` at :math:`\phi'=\phi`), :math:`f_\phi(\epsilon)` the
-reparameterised draw and :math:`\mathcal D_B` the minibatch (log-likelihood scaled by :math:`N/B` by the model's
-``pyro.plate``). :math:`F^{-1}g` is in closed form for Pyro's Gaussian autoguides (:mod:`pyro_flat.ops.fisher`) and
-found by conjugate gradients on Fisher-vector products (automatic differentiation of the analytic KL divergence of
-every guide site, at the sampled values of its parents) for any other reparameterised guide.
+:math:`\beta` ``kl_weight``. The inner maximum is replaced by one Fisher-preconditioned step
+:math:`\delta^*=\sqrt{2\gamma}\,F_\phi^{-1}g/\sqrt{g^\top F_\phi^{-1}g}` along the gradient :math:`g` of the
+minibatch negative log-likelihood (log-likelihood scaled by :math:`N/B` by the model's ``pyro.plate``) at the
+reparameterised draw :math:`\theta=f_\phi(\epsilon)` (:mod:`pyro_flat.ops.fisher`, where :math:`F_\phi` and
+:math:`\delta^*` are written out). :math:`F^{-1}g` is in closed form for Pyro's Gaussian autoguides and found by
+conjugate gradients on Fisher-vector products (automatic differentiation of the analytic KL divergence of every guide
+site, at the sampled values of its parents) for any other reparameterised guide. Derivation and the guides each
+direction accepts: the *SA-BMA* page of the documentation (``docs/methods/kl-ball.md``).
 
 References:
     * [1] `Flat Posterior Does Matter For Bayesian Model Averaging`, Sungjun Lim, Jeyoon Yeom, Sooyon Kim,

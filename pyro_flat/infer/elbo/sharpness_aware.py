@@ -7,43 +7,28 @@ For a guide :math:`q_\phi` reparameterised as :math:`\theta=f_\phi(\varepsilon)`
 
     \mathrm{SA\text{-}ELBO}(\phi) = \mathbb E_{\varepsilon}\Big[\ell_B\big(\theta + \hat\epsilon(\theta)\big)
         + \log p(\theta) - \log q_\phi(\theta)\Big]_{\theta = f_\phi(\varepsilon)},
-    \qquad \hat\epsilon(\theta) = \rho\,\frac{\hat g}{\|\hat g\|_2},\quad
-    \hat g = \operatorname{sg}\big[-\nabla_\theta\,\ell_B(\theta)\big],
 
-a one-SAM-step estimate of :math:`-N\,\mathbb E_{q_\phi}[\max_{\|\theta'-\theta\|_2\le\rho}L_S(\theta')]
-- \mathrm{KL}(q_\phi\,\|\,p)`, the variational objective of the sharpness-aware posterior
-:math:`q_{\mathrm{SA}}(\theta\mid S)\propto\exp(-N\max_{\theta'\in B_\rho(\theta)}L_S(\theta'))\,p(\theta)` [1].
-Here :math:`\ell_B` is the minibatch log-likelihood of all observed sites (plate-scaled by :math:`N/B`),
-:math:`\|\cdot\|_2` the global L2 norm over all latent sites and :math:`\operatorname{sg}` a stop-gradient: per
-particle, the sampled weights are moved by one SAM ascent step, the likelihood is evaluated there with the same
-minibatch and the same random numbers, the prior and the guide at the unperturbed sample, and gradients reach
-:math:`\phi` through :math:`\theta` only, so that :math:`\nabla_\mu=-\nabla_\theta\ell_B(\theta')-\nabla_\theta\log
-p(\theta)+\dots` and :math:`\nabla_\sigma=-\nabla_\theta\ell_B(\theta')\odot\varepsilon+\dots` [1].
+with the minibatch log-likelihood :math:`\ell_B` and the SAM ascent :math:`\hat\epsilon` of the sharpness-aware
+density (symbols in :mod:`pyro_flat.transforms.sharpness_aware_model`): per particle, the likelihood at the perturbed
+sample with the same minibatch and random numbers, the prior and the guide at the sample, gradients reaching
+:math:`\phi` through :math:`\theta` only. Derivation and gradients: the *Sharpness-aware posteriors* page of the
+documentation (``docs/methods/sharpness-aware.md``).
 
 Both ELBOs are :class:`~pyro.infer.Trace_ELBO` (resp. :class:`~pyro.infer.TraceMeanField_ELBO`) run on
 :func:`pyro_flat.transforms.sharpness_aware` of the model: the whole two-pass logic sits in the transformed model,
 which every particle trace (``loss``, ``differentiable_loss``, ``loss_and_grads``, vectorised or not) goes through,
 so the three entry points are one code path and agree.
 
-**Cheaper steps.** LookSAM [4] (``looksam_k``, ``looksam_alpha``) and RST [5] (``rst_p``) take the ascent on some
-steps only (:mod:`pyro_flat.ops.efficient_sam`; the defaults take it at every step). The ELBO decides once per
-step — one call of ``loss_and_grads`` or ``differentiable_loss`` with gradients enabled — for all its particles; on a
-step without the ascent the loss is the plain ELBO's value (:math:`\ell_B(\theta)` in place of
-:math:`\ell_B(\theta')`). ``loss`` (``SVI.evaluate_loss``) always evaluates the SA-ELBO and leaves the schedule
-alone. :meth:`SharpnessAwareELBO.state_dict` holds the schedule (steps taken, RST's random state, LookSAM's
-directions) for an exact resume.
+**Cheaper steps** (LookSAM and RST: see :mod:`pyro_flat.ops.efficient_sam`, references there; the defaults take the
+ascent at every step). The ELBO decides once per step — one call of ``loss_and_grads`` or ``differentiable_loss``
+with gradients enabled — for all its particles; on a step without the ascent the loss is the plain ELBO's value.
+``loss`` (``SVI.evaluate_loss``) always evaluates the SA-ELBO and leaves the schedule alone.
+:meth:`SharpnessAwareELBO.state_dict` holds the schedule for an exact resume (the *Cheaper steps* page,
+``docs/methods/cheaper-steps.md``).
 
 References:
     * [1] `Flat Seeking Bayesian Neural Networks`, Van-Anh Nguyen, Tung-Long Vuong, Hoang Phan, Thanh-Toan Do,
       Dinh Phung, Trung Le (NeurIPS 2023), arXiv:2302.02713
-    * [2] `Sharpness-Aware Minimization for Efficiently Improving Generalization`, Pierre Foret, Ariel Kleiner,
-      Hossein Mobahi, Behnam Neyshabur (ICLR 2021), arXiv:2010.01412
-    * [3] `ASAM: Adaptive Sharpness-Aware Minimization for Scale-Invariant Learning of Deep Neural Networks`,
-      Jungmin Kwon, Jeongseop Kim, Hyunseo Park, In Kwon Choi (ICML 2021), arXiv:2102.11600
-    * [4] `Towards Efficient and Scalable Sharpness-Aware Minimization`, Yong Liu, Siqi Mai, Xiangning Chen,
-      Cho-Jui Hsieh, Yang You (CVPR 2022), arXiv:2203.02714
-    * [5] `Randomized Sharpness-Aware Training for Boosting Computational Efficiency in Deep Learning`, Yang Zhao,
-      Hao Zhang, Xiuyuan Hu (2022), arXiv:2203.09962
 """
 
 from __future__ import annotations
@@ -162,27 +147,28 @@ class SharpnessAwareELBO(_SharpnessAware, TensorTrace_ELBO):
 
     .. math:: -\big[\ell_B(\theta') + \log p(\theta) - \log q_\phi(\theta)\big]
 
-    (see the module docstring for the symbols): the likelihood at :math:`\theta'` with the same minibatch (the model's
-    ``pyro.plate`` subsample indices are replayed) and the same random numbers (dropout masks), the prior and the
-    guide at :math:`\theta`. It is exactly ``Trace_ELBO`` on :func:`~pyro_flat.transforms.sharpness_aware` of the
-    model; ``loss``, ``differentiable_loss`` (usable through Pyro's ``ELBOModule`` by native torch optimisers) and
-    ``loss_and_grads`` agree; ``num_particles > 1`` and ``vectorize_particles=True`` (one norm per particle) work.
-    With :math:`\rho=0` the loss and gradients are those of ``Trace_ELBO`` under the same seed. With ``AutoDelta`` it
-    is SAM with the prior as weight decay; with ``AutoNormal`` it is F-BBB / F-VI.
+    (symbols in :mod:`pyro_flat.transforms.sharpness_aware_model`): the likelihood at :math:`\theta'` with the same
+    minibatch (the model's ``pyro.plate`` subsample indices are replayed) and the same random numbers (dropout masks),
+    the prior and the guide at :math:`\theta`. It is exactly ``Trace_ELBO`` on
+    :func:`~pyro_flat.transforms.sharpness_aware` of the model; ``loss``, ``differentiable_loss`` (usable through Pyro's
+    ``ELBOModule`` by native torch optimisers) and ``loss_and_grads`` agree; ``num_particles > 1`` and
+    ``vectorize_particles=True`` (one norm per particle) work. With :math:`\rho=0` the loss and gradients are those of
+    ``Trace_ELBO`` under the same seed. With ``AutoDelta`` it is SAM with the prior as weight decay; with ``AutoNormal``
+    it is F-BBB / F-VI.
 
     :param float rho: the SAM radius :math:`\rho\ge0`; default 0.05, the F-BNN code's value for CIFAR-10 and ImageNet
         fine-tuning [1] (0.1 for CIFAR-100).
-    :param bool adaptive: ASAM [3] scaling :math:`\hat\epsilon=\rho\,T^2_\theta\hat g/\|T_\theta\hat g\|_2`,
-        :math:`T_\theta=|\theta|`; default ``False``.
+    :param bool adaptive: ASAM scaling :math:`\hat\epsilon=\rho\,T^2_\theta\hat g/\|T_\theta\hat g\|_2`,
+        :math:`T_\theta=|\theta|` (:mod:`pyro_flat.ops.sam`); default ``False``.
     :param bool freeze_batchnorm: BatchNorm running statistics are not updated by the perturbed pass (the F-BNN
         code's ``disable_running_stats``); default ``True``.
     :param bool distributed: data-parallel training (:mod:`pyro_flat.distributed`): :math:`\hat g` is averaged over
         the ranks before its norm is taken (the ascent of the combined batch); default ``False``.
     :param process_group: the process group of ``distributed`` (default ``None``: the world).
-    :param int looksam_k: LookSAM's period :math:`k\ge1` [4]: the ascent every :math:`k`-th step, the reused
+    :param int looksam_k: LookSAM's period :math:`k\ge1`: the ascent every :math:`k`-th step, the reused
         direction in between; default 1 (every step; the paper uses 5).
     :param float looksam_alpha: LookSAM's :math:`\alpha\ge0`; default 0.7 (the paper's).
-    :param float rst_p: RST's probability :math:`p\in[0,1]` that a step takes the ascent [5]; default 1 (every step;
+    :param float rst_p: RST's probability :math:`p\in[0,1]` that a step takes the ascent; default 1 (every step;
         the paper's constant schedule uses 0.5).
     :param rst_seed: the seed of RST's choices; default ``None``: drawn once from torch's CPU generator here.
     :param kwargs: :class:`~pyro.infer.Trace_ELBO` options (``num_particles``, ``vectorize_particles``,
