@@ -62,12 +62,7 @@ from ..ops.bayesian_sam import (
     bsam_posterior_std,
     bsam_update_,
 )
-from ..ops.efficient_sam import (
-    DEFAULT_LOOKSAM_ALPHA,
-    SAM_STEP,
-    SharpnessSchedule,
-    check_esam_gamma,
-)
+from ..ops.efficient_sam import DEFAULT_LOOKSAM_ALPHA, SAM_STEP, SharpnessSchedule, check_esam_gamma
 from ._common import (
     Closure,
     PerExampleClosure,

@@ -47,12 +47,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..ops.efficient_sam import (
-    DEFAULT_LOOKSAM_ALPHA,
-    SAM_STEP,
-    SharpnessSchedule,
-    check_esam_gamma,
-)
+from ..ops.efficient_sam import DEFAULT_LOOKSAM_ALPHA, SAM_STEP, SharpnessSchedule, check_esam_gamma
 from ..ops.sam import check_radius, sam_perturbation
 from ._common import (
     Closure,
