@@ -7,7 +7,7 @@ The package imports only torch and pyro; :func:`reliability_diagram` imports mat
 
 from .bma import StreamingBMA, bma_log_probs, bma_probs
 from .calibration import accuracy, bma_nll, brier_score, expected_calibration_error, reliability_bins
-from .evaluate import Predictions, evaluate
+from .evaluation import Predictions, evaluate
 from .flatness import (
     hessian_eigenvalues,
     hessian_trace,
