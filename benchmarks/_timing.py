@@ -39,13 +39,22 @@ def time_block(variant: object, steps: int, clock: Callable[[], float] = time.pe
     return elapsed / (steps * getattr(variant, "units_per_step", 1))
 
 
+def warm_up(variants: Mapping[str, object], steps: int) -> dict[str, float]:
+    """Run ``steps`` untimed steps of every variant (capture and compilation included); the wall seconds each took."""
+    seconds = {}
+    for name, variant in variants.items():
+        start = time.perf_counter()
+        if steps:
+            time_block(variant, steps)
+        seconds[name] = time.perf_counter() - start
+    return seconds
+
+
 def interleaved_times(variants: Mapping[str, object], repeats: int, steps: int, *, warmup: int = 0,
                       clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds (of ``clock``) per unit of every variant in every repeat (``steps`` steps per timed block), the order
     alternating between repeats; ``warmup`` untimed steps of each variant first."""
-    for variant in variants.values():
-        if warmup:
-            time_block(variant, warmup)
+    warm_up(variants, warmup)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats):
         order = list(variants) if repeat % 2 == 0 else list(reversed(variants))

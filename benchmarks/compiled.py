@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 import warnings
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from _report import write_markdown
 from _svi_steps import INIT_SCALE, Network, TorchBBB, check_same_step
-from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, time_block, timing_rows
+from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, timing_rows, warm_up
 from kl_ball_elbo import RADIUS, TorchKLBall
 from pyro.infer import MCMC, JitTrace_ELBO, Trace_ELBO
 from sharpness_aware_elbo import RHO, TorchBBBSAM
@@ -188,11 +187,7 @@ def main(argv: list[str] | None = None) -> str:
     }
     checks["SGLD.sample vs torch SGLD (idiomatic)"] = check_same_gradient(variants["SGLD.sample"],
                                                                           variants["torch SGLD (idiomatic)"])
-    warmup = {}
-    for name, variant in variants.items():
-        start = time.perf_counter()
-        time_block(variant, args.warmup)
-        warmup[name] = time.perf_counter() - start
+    warmup = warm_up(variants, args.warmup)
     times = interleaved_times(variants, args.repeats, args.steps)
     med = medians_ms(times)
     table = [

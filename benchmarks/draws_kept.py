@@ -30,7 +30,6 @@ Run: ``python benchmarks/draws_kept.py``; writes ``benchmarks/results/draws_kept
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import pyro
 import torch
 from _report import write_markdown
 from _svi_steps import Network
-from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, time_block, timing_rows
+from _timing import environment, fresh_compile_cache, interleaved_times, medians_ms, timing_rows, warm_up
 from compiled import STEP_SIZE, KernelSteps, TorchSGLD, check_same_gradient
 from pyro.infer import MCMC
 from pyro.infer.mcmc.api import StreamingMCMC
@@ -112,7 +111,7 @@ class IdleKernel(MCMCKernel):
         self._params = {f"w{i}": p.detach().clone() for i, p in enumerate(network.torch_params)}
 
     def setup(self, warmup_steps: int, *args: object, **kwargs: object) -> None:
-        pass
+        """Nothing to set up: the chain starts at the network's weights."""
 
     @property
     def initial_params(self) -> dict[str, torch.Tensor]:
@@ -215,11 +214,7 @@ def main(argv: list[str] | None = None) -> str:
     torch_run.step()
     checks["torch loop: last row = final weights"] = str(all(
         torch.equal(row[-1], p) for row, p in zip(torch_run.rows, torch_run.params, strict=True)))
-    warmup = {}
-    for name, variant in variants.items():
-        start = time.perf_counter()
-        time_block(variant, args.warmup)
-        warmup[name] = time.perf_counter() - start
+    warmup = warm_up(variants, args.warmup)
     times = interleaved_times(variants, args.repeats, args.steps)
     med = medians_ms(times)
     low = {name: min(t) for name, t in times.items()}
