@@ -143,6 +143,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--resume", action="store_true",
                        help="continue a killed run from OUT/checkpoints, exactly where it stopped")
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
+    group.add_argument("--no-figures", action="store_true",
+                       help="write the table, JSON and log only, no figures (drawing them takes seconds per dataset "
+                            "when many methods run)")
 
 
 def build_parser() -> _Parser:
@@ -240,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_recipe(args.name, preset=args.preset, seeds=args.seeds, out=args.out,
                            changes=config_changes(args), options=options, command=command,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, figures=not args.no_figures)
             except ValueError as err:
                 command_parser.error(str(err))
         else:
@@ -272,7 +275,8 @@ def bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace, opt
     try:
         with output_lock(args.out):  # one run at a time writes to --out
             run_and_report(args.datasets, methods, args.seeds, config, args.out, command=command,
-                           checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress)
+                           checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
+                           figures=not args.no_figures)
     except OutputFolderError as err:
         parser.error(str(err))
     finally:

@@ -424,6 +424,7 @@ def run_recipe(
     checkpoint_every: int | None = None,
     resume: bool = False,
     progress: bool = True,
+    figures: bool = True,
 ) -> None:
     """Run every stage of recipe ``name`` (the ``recipe`` command) and write ``OUT/table.md`` and ``OUT/recipe.json``.
 
@@ -436,6 +437,7 @@ def run_recipe(
     :param checkpoint_every: as :func:`~pyro_flat.bench.session.run_and_report`, per stage.
     :param resume: as :func:`~pyro_flat.bench.session.run_and_report`, per stage.
     :param progress: show progress bars.
+    :param figures: as :func:`~pyro_flat.bench.session.run_and_report`, per stage.
     :raises ValueError: as :func:`check_recipe`, before the first stage starts.
     """
     recipe = RECIPES[name]
@@ -452,7 +454,8 @@ def run_recipe(
                 configs[stage.name] = config
                 records = run_and_report(stage.datasets, methods, seeds, config, out / stage.name,
                                          command=f"{command}  [stage {stage.name}]",
-                                         checkpoint_every=checkpoint_every, resume=resume, progress=progress)
+                                         checkpoint_every=checkpoint_every, resume=resume, progress=progress,
+                                         figures=figures)
                 summaries[stage.name] = summarise(records) if records else []
             if world()[0] == 0:
                 table = recipe_table(recipe, summaries, configs)

@@ -62,6 +62,7 @@ def run_and_report(
     checkpoint_every: int | None = None,
     resume: bool = False,
     progress: bool = True,
+    figures: bool = True,
 ) -> list[RunRecord]:
     """Run every method on every dataset for the seeds ``0`` to ``seeds - 1`` and write the table, JSON, per-epoch
     log and the figures there are data for to ``out`` (rank 0), saying which files were written.
@@ -72,6 +73,8 @@ def run_and_report(
         Checkpoints are written when it is set or with ``resume``.
     :param resume: continue a killed run from ``out/checkpoints``, exactly where it stopped.
     :param progress: show progress bars.
+    :param figures: draw the figures (``False``: the table, JSON and log only; drawing takes seconds per dataset
+        when many methods run). Either way no figure of an earlier run in ``out`` stays behind.
     :returns: every job's record (on every rank).
     """
     rank = world()[0]
@@ -93,12 +96,14 @@ def run_and_report(
     for dataset in datasets:
         chosen = [r for r in records if r.dataset == dataset]
         names = (f"reliability_{dataset}.png", f"curves_{dataset}.png", f"flat_vs_base_{dataset}.png")
-        drawn = (plot_reliability(out / names[0], chosen), plot_curves(out / names[1], chosen),
-                 plot_flat_vs_base(out / names[2], [record_dict(r) for r in chosen], dataset))
+        drawn = (False, False, False)
+        if figures:
+            drawn = (plot_reliability(out / names[0], chosen), plot_curves(out / names[1], chosen),
+                     plot_flat_vs_base(out / names[2], [record_dict(r) for r in chosen], dataset))
         for name, was_drawn in zip(names, drawn, strict=True):
             if was_drawn:
                 written.append(name)
-            else:  # nothing to draw in this run: no figure of an earlier run in the same folder stays behind
+            else:  # nothing drawn in this run: no figure of an earlier run in the same folder stays behind
                 (out / name).unlink(missing_ok=True)
     print(f"wrote {out}/: {', '.join(written)}")
     return records

@@ -100,7 +100,7 @@ def _args(cifar: Path, out: Path) -> list[str]:
     return ["bench", "--datasets", "cifar10", "--data-root", str(cifar), "--methods", *METHODS_RUN, "--model",
             "preresnet", "--depth", "8", "--width", "2", "--epochs", "4", "--batch-size", "10", "--bma-samples", "2",
             "--lambda-max-draws", "1", "--lambda-max-points", "8", "--lambda-max-iters", "2", "--checkpoint-every",
-            "2", "--no-progress", "--out", str(out)]
+            "2", "--no-progress", "--no-figures", "--out", str(out)]
 
 
 def _launch(cifar: Path, out: Path, fault: str = "none", k: int = 0, *extra: str, **env: str) -> subprocess.Popen:

@@ -129,6 +129,11 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, "
                                             "reliability_digits.png\n")
     assert not (out / "flat_vs_base_digits.png").exists() and not (out / "curves_digits.png").exists()
+    # --no-figures: the table, JSON and log, and no figure of the earlier run stays behind
+    assert main(["bench", "--methods", "sgld", "--epochs", "1", "--out", str(out), "--no-progress",
+                 "--no-figures"]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl\n")
+    assert not list(out.glob("*.png"))
 
 
 @pytest.mark.parametrize("argv, match", [

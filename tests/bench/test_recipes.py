@@ -39,6 +39,8 @@ def imagenet_weights(tmp_path_factory):
 def test_every_recipe_runs_end_to_end(name, cifar, imagenet_weights, tmp_path, capsys):
     out = tmp_path / name
     argv = ["recipe", name, "--preset", "smoke", "--data-root", str(cifar), "--out", str(out), "--no-progress"]
+    figures = name == "bsam-cifar10"  # one recipe draws its figures (seconds each); the others pass --no-figures
+    argv += [] if figures else ["--no-figures"]
     if RECIPES[name].needs_pretrained:
         argv += ["--pretrained", str(imagenet_weights)]
     assert main(argv) == 0
@@ -49,6 +51,7 @@ def test_every_recipe_runs_end_to_end(name, cifar, imagenet_weights, tmp_path, c
         ran = {row["method"] for row in summary["ours"][stage.name]}
         assert ran == set(stage.smoke_methods or stage.methods)
         assert (out / stage.name / "results.json").exists() and (out / stage.name / "metrics.jsonl").exists()
+        assert (out / stage.name / f"reliability_{stage.datasets[0]}.png").exists() == figures
         smoke, _ = stage_setup(recipe, stage, "smoke", {"data_root": str(cifar)}, {}, out)
         for row in summary["ours"][stage.name]:
             assert 0 <= row["acc"][0] <= 100 and row["nll"][0] > 0

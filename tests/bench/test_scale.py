@@ -206,7 +206,8 @@ def test_every_svi_method_runs_data_parallel_under_torchrun(tmp_path):
     assert {"map", "vi", "sa_bma", "bsam", "hwa", "mc_dropout"} <= set(svi) and not {"sgld", "emcmc"} & set(svi)
     args = ["-m", "pyro_flat", "bench", "--datasets", "digits", "--shots", "16", "--methods", *svi, "--epochs",
             "2", "--batch-size", "64", "--hidden", "8", "--dtype", "float64", "--bma-samples", "2",
-            "--lambda-max-draws", "1", "--lambda-max-points", "16", "--lambda-max-iters", "2", "--no-progress"]
+            "--lambda-max-draws", "1", "--lambda-max-points", "16", "--lambda-max-iters", "2", "--no-progress",
+            "--no-figures"]
     args += [f"--set={m}.swa_start=0" for m in ("swa", "swag", "swag_diag", "f_swa", "f_swag", "f_swag_diag", "hwa",
                                                "hwa_total", "hwa_scales", "vi_cyclical")]
     two, one = _two_ranks_and_one(args, tmp_path)
@@ -231,7 +232,8 @@ def test_two_gloo_ranks_with_batchnorm_equal_one_rank_on_a_resnet(cifar, tmp_pat
     args = ["-m", "pyro_flat", "bench", "--datasets", "cifar10", "--data-root", str(cifar), "--model", "preresnet",
             "--depth", "8", "--width", "2", "--norm", "batch", "--methods", *BATCHNORM_METHODS, "--epochs", "2",
             "--batch-size", "20", "--dtype", "float64", "--bma-samples", "2", "--lambda-max-draws", "1",
-            "--lambda-max-points", "8", "--lambda-max-iters", "2", "--set=swag.swa_start=0", "--no-progress"]
+            "--lambda-max-points", "8", "--lambda-max-iters", "2", "--set=swag.swa_start=0", "--no-progress",
+            "--no-figures"]
     two, one = _two_ranks_and_one(args, tmp_path)
     assert set(two) == set(one) == set(BATCHNORM_METHODS)
     for method in BATCHNORM_METHODS:

@@ -2,8 +2,8 @@
 
 from pyro_flat.bench.cli import main
 
-ARGS = ["bench", "--methods", "map", "--epochs", "1", "--no-progress", "--bma-samples", "1", "--lambda-max-draws", "1",
-        "--lambda-max-points", "8", "--lambda-max-iters", "2"]
+ARGS = ["bench", "--methods", "map", "--epochs", "1", "--no-progress", "--no-figures", "--bma-samples", "1",
+        "--lambda-max-draws", "1", "--lambda-max-points", "8", "--lambda-max-iters", "2"]
 
 
 def test_checkpoint_every_zero_checkpoints_at_the_end_of_each_phase(tmp_path):
