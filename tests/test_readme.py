@@ -79,7 +79,7 @@ def test_main_job_then_the_docs_tests_in_one_checkout(tmp_path):
     start guide's example); then the docs and README tests that read results/ pass in that checkout. (The tests that
     execute the pages' code read no results and run in the suite itself.)"""
     checkout = tmp_path / "checkout"
-    build = shutil.ignore_patterns(".git", ".venv", "_build", "__pycache__", "*_cache", "*.egg-info")
+    build = shutil.ignore_patterns(".git", ".venv*", ".ci-*", "_build", "__pycache__", "*_cache", "*.egg-info")
     shutil.copytree(ROOT, checkout, ignore=lambda folder, names: build(folder, names) | (
         {"quick", "mine"} if Path(folder) == ROOT / "results" else set()))
     (main_job,) = [b.strip() for b in _code_blocks("bash") if "pyro_flat bench" in b and "venv" in b]
