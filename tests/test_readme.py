@@ -26,10 +26,8 @@ def test_readme_is_a_front_door():
 
 
 def test_ci_runs_the_readme_test_command_then_builds_the_docs():
-    # the README's test command and docs command, verbatim and in that order (then the lowest-versions smoke job); the
-    # test command may run in a subshell, "(...)", so that a failed install stops the script under `set -e`
+    # the README's test command and docs command, verbatim and in that order (then the lowest-versions smoke job)
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    lines = [line[1:-1] if line.startswith("(") and line.endswith(")") else line for line in lines]
     blocks = [block.strip() for block in _code_blocks("bash")]
     (test_command,) = [b for b in blocks if "pytest" in b and "venv" in b]
     (docs_command,) = [b for b in blocks if "sphinx -W" in b]
