@@ -50,7 +50,7 @@ from ...ops.low_rank import (
     swag_to_low_rank,
 )
 from ..util import is_real_support
-from .swag import SWAGCollector
+from .swag_collector import SWAGCollector
 
 __all__ = ["AutoLowRankPlusDiagonalNormal", "ScaledLowRankMultivariateNormal"]
 
