@@ -136,9 +136,10 @@ def _parameter_holders(module: nn.Module) -> list[tuple[Tensor, list[tuple[str, 
     return list(holders.values())
 
 
-def _made_bayesian(module: nn.Module) -> list[str]:
-    """The latent sites :func:`make_bayesian` has made in ``module`` (or a submodule) already."""
-    return list(latent_init_values(module)) if isinstance(module, PyroModule) else []
+def _latent_inits(module: nn.Module) -> dict[str, Tensor]:
+    """The initial-value buffers :func:`make_bayesian` made in ``module`` and its submodules, by site name."""
+    return {_site_name(sub, bname[len(_INIT):]): buf for sub in module.modules()
+            for bname, buf in sub.named_buffers(recurse=False) if bname.startswith(_INIT)}
 
 
 def make_bayesian(
@@ -180,7 +181,7 @@ def make_bayesian(
         raise ValueError(f"`rest` must be 'frozen' or 'learned', got {rest!r}")
     if not isinstance(packed, bool):
         raise ValueError(f"`packed` must be a bool, got {packed!r}")
-    if made := _made_bayesian(module):
+    if made := list(_latent_inits(module)):
         raise ValueError(f"`module` is already Bayesian: make_bayesian has made its latent sites {made[:3]}"
                          f"{' ...' if len(made) > 3 else ''}; convert a plain torch network, once")
     is_random = _random_predicate(module, random)
@@ -381,8 +382,7 @@ def latent_init_values(module: nn.Module) -> dict[str, torch.Tensor]:
     """The network's initial values of its random parameters, keyed by Pyro site name (``"net.0.weight"``)."""
     if not isinstance(module, PyroModule):
         raise TypeError("`module` must be a PyroModule made by make_bayesian")
-    return {_site_name(sub, bname[len(_INIT):]): buf for sub in module.modules()
-            for bname, buf in sub.named_buffers(recurse=False) if bname.startswith(_INIT)}
+    return _latent_inits(module)
 
 
 class init_to_network:  # noqa: N801 (named like Pyro's init_to_* strategies)

@@ -5,6 +5,7 @@ joint: tests/conformance/test_networks.py.)"""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -99,6 +100,8 @@ def test_applied_twice_it_says_already_bayesian():
         make_bayesian(net)
     with pytest.raises(ValueError, match="already Bayesian"):
         make_bayesian(make_bayesian(nn.Linear(2, 2), packed=True), rest="learned")
+    with pytest.raises(ValueError, match="already Bayesian"):  # inside a plain module
+        make_bayesian(nn.Sequential(make_bayesian(nn.Linear(2, 2)), nn.Linear(2, 2)))
 
 
 def test_an_embedding_that_renormalises_its_weight_is_refused_by_name():
@@ -107,3 +110,14 @@ def test_an_embedding_that_renormalises_its_weight_is_refused_by_name():
         make_bayesian(net)
     assert isinstance(net[0].weight, nn.Parameter)  # refused before any change
     make_bayesian(net, random="head")  # its weight frozen: the renormalisation changes a buffer, as in torch
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["per tensor", "packed"])
+def test_a_tied_network_copies_and_pickles_with_its_tie(packed):
+    model = make_bayesian(TiedLanguageModel(), packed=packed)
+    x = torch.randint(0, 5, (2, 4))
+    values = latent_init_values(model)
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with poutine.condition(data=values):
+            torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
+        assert "weight" not in other.decode.__dict__  # the tied value is dropped after the call
