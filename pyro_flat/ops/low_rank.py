@@ -69,12 +69,16 @@ __all__ = [
     "swag_to_low_rank",
 ]
 
-ROW_BLOCK = 1 << 15
-r"""Rows of a :math:`P\times K` matrix per block of the row-wise reductions (a block is a small temporary)."""
+BLOCK_BYTES = 1 << 26
+r"""Bytes of the temporary of one block of rows of the row-wise reductions of a :math:`P\times K` matrix (64 MiB):
+a bounded temporary, in few blocks (one kernel launch or three each; ResNet-18's 11 M rows at rank 5 in float32 take
+4 blocks, where blocks of a fixed 32,768 rows took 342, launch-bound on a GPU)."""
 
 
-def _row_blocks(size: int) -> range:
-    return range(0, size, ROW_BLOCK)
+def _row_blocks(matrix: Tensor) -> range:
+    """The first rows of the blocks of ``matrix`` (``[..., P, K]``) whose temporaries hold :data:`BLOCK_BYTES`."""
+    row_bytes = max(1, matrix[..., :1, :].numel() * matrix.element_size())
+    return range(0, matrix.shape[-2], max(1, BLOCK_BYTES // row_bytes))
 
 
 def _recorded(*tensors: Tensor) -> bool:
@@ -89,8 +93,9 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
         return (a * b).sum(-1)
     shape = torch.broadcast_shapes(a.shape, b.shape)
     out = a.new_empty(shape[:-1])
-    for start in _row_blocks(shape[-2]):
-        stop = start + ROW_BLOCK
+    blocks = _row_blocks(a.expand(shape))
+    for start in blocks:
+        stop = start + blocks.step
         torch.sum(a[..., start:stop, :] * b[..., start:stop, :], -1, out=out[..., start:stop])
     return out
 
@@ -113,9 +118,10 @@ def low_rank_capacitance_tril(factor: Tensor, variance: Tensor | None = None) ->
         gram = (factor / variance.unsqueeze(-1)).mT @ factor
     else:
         gram = 0
-        for start in _row_blocks(factor.shape[-2]):
-            block = factor[..., start : start + ROW_BLOCK, :]
-            gram = gram + (block / variance[..., start : start + ROW_BLOCK, None]).mT @ block
+        blocks = _row_blocks(factor)
+        for start in blocks:
+            block = factor[..., start : start + blocks.step, :]
+            gram = gram + (block / variance[..., start : start + blocks.step, None]).mT @ block
     eye = torch.eye(rank, dtype=factor.dtype, device=factor.device)
     return torch.linalg.cholesky(gram + eye)
 
@@ -159,29 +165,35 @@ def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
     return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
 
 
+def _density(value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, relative: bool) -> tuple[Tensor, ...]:
+    """``(log q(value), L, a)`` in plain differentiable operations (the forward pass of :class:`_LowRankLogProb`)."""
+    diff = value - loc
+    if relative:
+        whitened = diff / diag
+        projected = _factor_transpose_times(factor, whitened)
+        tril = low_rank_capacitance_tril(factor)
+        logdet_diag = 2 * diag.log().sum(-1)
+        squared = whitened.square().sum(-1)
+    else:
+        projected = _factor_transpose_times(factor, diff / diag)
+        tril = low_rank_capacitance_tril(factor, diag)
+        logdet_diag = diag.log().sum(-1)
+        squared = (diff.square() / diag).sum(-1)
+    solved = torch.cholesky_solve(projected.unsqueeze(-1), tril).squeeze(-1)
+    mahalanobis = squared - (projected * solved).sum(-1)
+    logdet = logdet_diag + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis), tril, solved
+
+
 class _LowRankLogProb(torch.autograd.Function):
     r""":math:`\log q(\theta)` and its gradients by the formulas of the module docstring (first order only)."""
 
     @staticmethod
     def forward(ctx: object, value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, relative: bool) -> Tensor:
-        diff = value - loc
-        if relative:
-            whitened = diff / diag
-            projected = _factor_transpose_times(factor, whitened)
-            tril = low_rank_capacitance_tril(factor)
-            logdet_diag = 2 * diag.log().sum(-1)
-            squared = whitened.square().sum(-1)
-        else:
-            projected = _factor_transpose_times(factor, diff / diag)
-            tril = low_rank_capacitance_tril(factor, diag)
-            logdet_diag = diag.log().sum(-1)
-            squared = (diff.square() / diag).sum(-1)
-        solved = torch.cholesky_solve(projected.unsqueeze(-1), tril).squeeze(-1)
-        mahalanobis = squared - (projected * solved).sum(-1)
-        logdet = logdet_diag + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        log_prob, tril, solved = _density(value, loc, diag, factor, relative)
         ctx.save_for_backward(value, loc, diag, factor, tril, solved)
         ctx.relative = relative
-        return -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis)
+        return log_prob
 
     @staticmethod
     @once_differentiable
@@ -227,7 +239,9 @@ class _LowRankLogProb(torch.autograd.Function):
         return grad_value, grad_loc, grad_diag, grad_factor, None
 
 
-def low_rank_log_prob(value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, *, relative: bool = True) -> Tensor:
+def low_rank_log_prob(
+    value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, *, relative: bool = True, fused: bool = True
+) -> Tensor:
     r""":math:`\log\mathcal N(\theta;\ m,\ \Sigma)` for :math:`\Sigma = \mathrm{diag}(s)(I + VV^\top)\mathrm{diag}(s)`
     (``relative``, ``diag`` = :math:`s`, ``factor`` = :math:`V`) or :math:`\Sigma = \mathrm{diag}(d) + WW^\top`
     (``relative=False``, ``diag`` = :math:`d`, ``factor`` = :math:`W`), with the gradients of the module docstring:
@@ -238,8 +252,13 @@ def low_rank_log_prob(value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, 
     :param loc: :math:`m`, ``[..., P]``.
     :param diag: :math:`s > 0` or :math:`d > 0`, ``[..., P]``.
     :param factor: :math:`V` or :math:`W`, ``[..., P, K]``.
+    :param fused: the gradients by the formulas above, in one custom autograd node (default); ``False``: the same
+        log-density in plain differentiable operations, which autograd differentiates (a step captured as a graph of
+        tensor operations, :mod:`pyro_flat.runtime.capture`, cannot keep a custom node's backward).
     :returns: the log-density, shape the broadcast batch shape.
     """
+    if not fused:
+        return _density(value, loc, diag, factor, relative)[0]
     return _LowRankLogProb.apply(*_seen_by_torch(value, loc, diag, factor), relative)
 
 
@@ -289,6 +308,21 @@ def swag_to_low_rank(
     return mean.clone(), (scale * variance).sqrt(), factor
 
 
+def _draw_and_density(
+    loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor
+) -> tuple[Tensor, ...]:
+    """``(theta, log q(theta), L, a)`` in plain differentiable operations (the forward pass of
+    :class:`_LowRankSampleLogProb`)."""
+    whitened = noise_diag + _factor_times(factor, noise_rank)  # x = (theta - m) / s
+    value = loc + scale * whitened
+    projected = _factor_transpose_times(factor, whitened)
+    tril = low_rank_capacitance_tril(factor)
+    solved = torch.cholesky_solve(projected.unsqueeze(-1), tril).squeeze(-1)
+    mahalanobis = whitened.square().sum(-1) - (projected * solved).sum(-1)
+    logdet = 2 * scale.log().sum(-1) + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return value, -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis), tril, solved
+
+
 class _LowRankSampleLogProb(torch.autograd.Function):
     r"""The draw :math:`\theta = m + s\odot(z_1 + Vz_2)` and :math:`\log q(\theta)` as one node: the gradient of the
     log-density is its total derivative (through :math:`\theta` too), and the factor receives one gradient buffer."""
@@ -297,14 +331,7 @@ class _LowRankSampleLogProb(torch.autograd.Function):
     def forward(
         ctx: object, loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor
     ) -> tuple[Tensor, Tensor]:
-        whitened = noise_diag + _factor_times(factor, noise_rank)  # x = (theta - m) / s
-        value = loc + scale * whitened
-        projected = _factor_transpose_times(factor, whitened)
-        tril = low_rank_capacitance_tril(factor)
-        solved = torch.cholesky_solve(projected.unsqueeze(-1), tril).squeeze(-1)
-        mahalanobis = whitened.square().sum(-1) - (projected * solved).sum(-1)
-        logdet = 2 * scale.log().sum(-1) + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-        log_prob = -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis)
+        value, log_prob, tril, solved = _draw_and_density(loc, scale, factor, noise_diag, noise_rank)
         ctx.save_for_backward(loc, scale, factor, noise_diag, noise_rank, tril, solved)
         return value, log_prob
 
@@ -339,7 +366,7 @@ class _LowRankSampleLogProb(torch.autograd.Function):
 
 
 def low_rank_rsample_and_log_prob(
-    loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor
+    loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor, *, fused: bool = True
 ) -> tuple[Tensor, Tensor]:
     r"""The draw :math:`\theta = m + s\odot(z_1 + Vz_2)` of :func:`low_rank_rsample` (relative form) and
     :math:`\log q(\theta)` of :func:`low_rank_log_prob`, from one autograd node: the gradients of any function of
@@ -352,6 +379,10 @@ def low_rank_rsample_and_log_prob(
     :param factor: :math:`V`, ``[..., P, K]``.
     :param noise_diag: :math:`z_1`, ``[..., P]`` (the draws' shape).
     :param noise_rank: :math:`z_2`, ``[..., K]``.
+    :param fused: one custom autograd node (default), or plain differentiable operations (as for
+        :func:`low_rank_log_prob`).
     :returns: ``(value, log_prob)``.
     """
+    if not fused:
+        return _draw_and_density(loc, scale, factor, noise_diag, noise_rank)[:2]
     return _LowRankSampleLogProb.apply(*_seen_by_torch(loc, scale, factor, noise_diag, noise_rank))
