@@ -126,7 +126,7 @@ class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
 
     @lazy_property
     def _capacitance_tril(self) -> Tensor:
-        return low_rank_capacitance_tril(self._params[2])
+        return low_rank_capacitance_tril(self._params[2], check_errors=bool(self._validate_args))
 
     @lazy_property
     def cov_factor(self) -> Tensor:
@@ -150,7 +150,8 @@ class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
         noise_diag = torch.empty(shape, dtype=loc.dtype, device=loc.device).normal_()  # torch's own standard draws
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in self._params)):
             return low_rank_rsample(loc, scale, factor, noise_diag, noise_rank)
-        value, log_prob = low_rank_rsample_and_log_prob(loc, scale, factor, noise_diag, noise_rank)
+        value, log_prob = low_rank_rsample_and_log_prob(loc, scale, factor, noise_diag, noise_rank,
+                                                        check_errors=bool(self._validate_args))
         self._scored = (value, log_prob)
         return value
 
@@ -159,7 +160,7 @@ class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
             self._validate_sample(value)
         if self._scored is not None and value is self._scored[0]:
             return self._scored[1]
-        log_prob = low_rank_log_prob(value, *self._params)
+        log_prob = low_rank_log_prob(value, *self._params, check_errors=bool(self._validate_args))
         return log_prob.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
 
     def entropy(self) -> Tensor:
