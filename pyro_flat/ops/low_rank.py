@@ -134,8 +134,9 @@ def low_rank_capacitance_tril(factor: Tensor, variance: Tensor | None = None, *,
         order = int(info.max())
         raise ValueError(
             f"low_rank_capacitance_tril: the capacitance I + {'V^T V' if variance is None else 'W^T diag(d)^-1 W'} "
-            f"({rank} x {rank}) is not positive definite (its leading minor of order {order} is not): the factor "
-            f"holds non-finite values{'' if variance is None else ' or the variance d is not positive and finite'}"
+            f"({rank} x {rank}) is not positive definite (its leading minor of order {order} is not): the factor is "
+            f"not finite or so large that its products overflow {factor.dtype}"
+            f"{'' if variance is None else ', or the variance d is not positive'}"
         )
     return torch.where(info.unsqueeze(-1).unsqueeze(-1) == 0, tril, torch.nan)
 
