@@ -16,6 +16,9 @@ CPU-only CI can assert that a training step adds none:
   (their error check, ``aten._linalg_check_errors``), the ``*_ex`` forms with ``check_errors=True``,
   ``torch.linalg.eigh``, ``torch.cholesky_inverse``, and ``torch.cholesky_solve`` of a batch (MAGMA). The ``*_ex``
   forms (``torch.linalg.cholesky_ex``, status kept on the device) and ``torch.linalg.solve_triangular`` are not;
+* a copy from the host to a tensor's device that is not the CPU (``x.to(device)``, ``t.copy_(host_tensor)``, an
+  index held on the host, ``t[host_index]``): a blocking copy from pageable host memory on an accelerator; seen when
+  the code runs on a non-CPU device, e.g. ``meta`` (on the CPU there is no such copy to see);
 * a tensor made from Python data for a tensor's device: ``torch.tensor(0.3, device=x.device)``,
   ``torch.as_tensor(...)``, ``torch.scalar_tensor(...)`` with ``device=`` a ``torch.device`` or an accelerator (e.g.
   ``dist.Normal(loc, 0.3)``, which makes its scale so): on an accelerator a blocking copy from host memory, which
@@ -118,6 +121,23 @@ def _for_a_tensors_device(device: object) -> bool:
     return isinstance(device, (str, int)) and str(device).split(":")[0] != "cpu"
 
 
+def _on_host(tensor: object) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+
+
+def _copies_from_host(func: Any, args: tuple, kwargs: dict) -> bool:  # noqa: ANN401
+    """Whether an operation copies a host tensor to another device: ``_to_copy`` to a non-CPU device, ``copy_`` into
+    a non-CPU tensor, or indexing a non-CPU tensor with host indices."""
+    if func is torch.ops.aten._to_copy.default:
+        target = kwargs.get("device")
+        return _on_host(args[0]) and target is not None and torch.device(target).type != "cpu"
+    if func is torch.ops.aten.copy_.default:
+        return not _on_host(args[0]) and _on_host(args[1])
+    if func is torch.ops.aten.index.Tensor:
+        return not _on_host(args[0]) and any(_on_host(i) for i in args[1])
+    return False
+
+
 def _copies_to_host(args: tuple, kwargs: dict) -> bool:
     """Whether ``tensor.to(...)`` moves a tensor off an accelerator to the host, or names the host literally
     (``.to("cpu")``: a hard-coded host device, a copy on any accelerator). ``.to(device=other.device)`` is not."""
@@ -167,6 +187,8 @@ class _DispatchLevel(TorchDispatchMode):
             self.owner._add(f"solver status read ({func.__name__.split('.')[0]}, check_errors=True)")
         elif func is torch.ops.aten.cholesky_solve.default and args[0].dim() > 2 and args[0].shape[:-2].numel() > 1:
             self.owner._add("solver status read (cholesky_solve of a batch)")
+        elif _copies_from_host(func, args, kwargs):
+            self.owner._add(f"host-to-device copy ({func.__name__.split('.')[0]})")
         elif func is torch.ops.aten.index.Tensor and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
         ):
