@@ -6,9 +6,13 @@
 * dtype walk: a float32 and a float64 model, each under the *other* default dtype (so a tensor made without
   ``dtype=`` shows), keep their dtype in guide parameters, samples, kernel states and optimizer states, and no
   operation mixes two floating dtypes.
-* meta-device walk where Pyro allows it (kernels, optimizers, collectors; Pyro's ELBOs read scalars with
-  ``torch_item`` and cannot run on ``meta``, so the ELBOs rely on the dtype walk and the sync count).
-* CUDA smoke tests per family under ``torch.cuda.set_sync_debug_mode("error")`` (skipped without a GPU).
+* factory walk: no tensor made by pyro_flat's code on the default device, from construction on (making a network
+  Bayesian, the guide's first call, the kernel's set-up) through the steps, collectors and metrics.
+* on a device: every objective (through ``TensorSVI``), kernel, closure optimizer, collector and posterior guide
+  built and stepped where the model lives, with no host synchronisation after its set-up (the ``no_host_sync``
+  fixture). On ``meta``, the CPU twin run in CI: a tensor left on the CPU fails the first operation that meets it, and
+  :class:`~pyro_flat.testing.HostSyncCounter` sees the reads and copies CUDA would make. On CUDA (skipped without a
+  GPU), the same tests under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
