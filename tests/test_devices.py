@@ -426,29 +426,6 @@ def test_collectors_and_streaming_bma_make_no_host_sync(network):
     assert syncs.count == 0, syncs.report()
 
 
-def test_posterior_guides_sample_without_host_sync():
-    pyro.enable_validation(False)
-    x, y = _data()
-    model = _model()
-    guide = AutoNormal(model)
-    guide(x[:2], y[:2])
-    swag, hwa = SWAGCollector(3), HWA(guide, max_rank=3)
-    for draw in guide_draws(guide, 4, x[:2], y[:2]):
-        swag.collect(draw)
-        hwa.collect()
-    guides = {
-        "AutoSWAG": swag.guide(model),
-        "AutoSWAG-diagonal": swag.guide(model, diagonal_only=True),
-        "AutoLowRankPlusDiagonalNormal.from_swag": AutoLowRankPlusDiagonalNormal.from_swag(model, swag),
-        "HWA.averaged_guide": hwa.averaged_guide(model),
-    }
-    for name, posterior in guides.items():
-        next(guide_draws(posterior, 1, x[:2], y[:2]))  # sets the guide up
-        with HostSyncCounter() as syncs:
-            bma_predict(model, guide_draws(posterior, 3, x[:2], y[:2]), x)
-        assert syncs.count == 0, f"{name}:\n{syncs.report()}"
-
-
 def _held_bytes(obj: object) -> int:
     """Bytes of the tensors an accumulator holds (its attributes, one level of containers deep)."""
     return sum(t.numel() * t.element_size() for t in _floating(vars(obj)) + [
