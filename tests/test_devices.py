@@ -133,6 +133,40 @@ def test_host_sync_counter_ignores_device_side_work_and_same_device_moves():
         HostSyncCounter(depth=-1)
 
 
+def test_host_sync_counter_sees_solver_status_reads_and_host_to_device_copies():
+    # CUDA's solvers hand their status to the host (torch's error checks, MAGMA's batched solves); the *_ex forms and
+    # triangular solves keep it on the device. On meta, a copy from the host is seen as on an accelerator
+    a = torch.randn(4, 4, dtype=torch.float64)
+    a = a @ a.T + torch.eye(4, dtype=torch.float64)
+    b = torch.randn(4, 2, dtype=torch.float64)
+    tril = torch.linalg.cholesky_ex(a).L
+    with HostSyncCounter() as syncs:
+        torch.linalg.cholesky(a)
+        torch.linalg.cholesky_ex(a, check_errors=True)
+        torch.linalg.inv(a)
+        torch.linalg.solve(a, b)
+        torch.linalg.eigh(a)
+        torch.cholesky_inverse(tril)
+        torch.cholesky_solve(b.expand(3, 4, 2), tril)
+    kinds = [s.kind for s in syncs.syncs]
+    assert kinds.count("solver status read (linalg error check)") == 3 and len(kinds) == 7, syncs.report()
+    meta = torch.empty(4, 2, device="meta")
+    with HostSyncCounter() as syncs:  # none of these reads or copies to the host
+        torch.linalg.cholesky_ex(a)
+        torch.linalg.inv_ex(a)
+        torch.linalg.solve_triangular(tril, b, upper=False)
+        torch.cholesky_solve(b, tril)  # one matrix: cuSOLVER, status on the device
+        meta + meta
+    assert syncs.count == 0, syncs.report()
+    with HostSyncCounter() as syncs:
+        b.to("meta")
+        meta.copy_(b)
+        meta[torch.tensor([0, 1])]
+    assert [s.kind for s in syncs.syncs] == [
+        "host-to-device copy (_to_copy)", "host-to-device copy (copy_)", "host-to-device copy (index)"
+    ], syncs.report()
+
+
 def _per_step(step: Callable[[], object], counts: tuple[int, ...] = (2, 6)) -> tuple[list[float], str]:
     """Syncs per step of ``step`` over runs of each length in ``counts`` (after one warm-up call)."""
     step()
