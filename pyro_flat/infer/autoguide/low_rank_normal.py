@@ -83,6 +83,7 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
             log_prob = dist.Normal(loc, cov_diag.sqrt()).log_prob(value).sum(-1)
         else:
             log_prob = low_rank_log_prob(value, loc, cov_diag, cov_factor, relative=False,
+                                         check_errors=bool(self._validate_args),
                                          fused=not is_capturing())
         return log_prob.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
 
