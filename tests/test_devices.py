@@ -751,10 +751,8 @@ def test_a_network_made_bayesian_where_it_lives_stays_there(name, model_dtype):
 
 
 @pytest.mark.parametrize(("name", "network", "device"), [
-    # the compiled objectives on CUDA only: their capture compares replayed random draws by value (one read, at
-    # capture), which meta tensors cannot give
     *[(name, network, "meta") for name in OBJECTIVES for network in NETWORKS
-      if name not in CAPTURED and (network == "mlp" or name in ON_META_RESNET)],
+      if network == "mlp" or name in ON_META_RESNET],
     *[pytest.param(name, network, "cuda", marks=pytest.mark.cuda) for name in OBJECTIVES for network in NETWORKS
       if network == "mlp" or name not in CAPTURED],
 ])
