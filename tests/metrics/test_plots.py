@@ -64,8 +64,7 @@ def assert_legend_clear_of_the_x_axis(ax, renderer):
     assert ticks and not [box for box in ticks if box.overlaps(legend)]
 
 
-@pytest.mark.parametrize("size", [(4.5, 5.0), (3.2, 3.7), (8.0, 8.0)])
-@pytest.mark.parametrize("dpi", [72, 200])
+@pytest.mark.parametrize(("size", "dpi"), [((3.2, 3.7), 100), ((4.5, 5.0), 72), ((8.0, 8.0), 200)])
 def test_reliability_legend_sits_under_the_axis_label(size, dpi):
     logits, y = make_problem()
     fig = Figure(figsize=size, dpi=dpi, layout="constrained")
