@@ -12,6 +12,13 @@ CPU-only CI can assert that a training step adds none:
   a non-CPU tensor (e.g. on the ``meta`` device) to the CPU;
 * operations whose output shape depends on the data, which CUDA must synchronise to allocate the output:
   ``nonzero``, boolean-mask indexing ``t[mask]``, ``masked_select``, ``unique``;
+* linear algebra that reads its solver's status on the host on CUDA: ``torch.linalg.cholesky``, ``inv``, ``solve``
+  (their error check, ``aten._linalg_check_errors``), the ``*_ex`` forms with ``check_errors=True``,
+  ``torch.linalg.eigh``, ``torch.cholesky_inverse``, and ``torch.cholesky_solve`` of a batch (MAGMA). The ``*_ex``
+  forms (``torch.linalg.cholesky_ex``, status kept on the device) and ``torch.linalg.solve_triangular`` are not;
+* a copy from the host to a tensor's device that is not the CPU (``x.to(device)``, ``t.copy_(host_tensor)``, an
+  index held on the host, ``t[host_index]``): a blocking copy from pageable host memory on an accelerator; seen when
+  the code runs on a non-CPU device, e.g. ``meta`` (on the CPU there is no such copy to see);
 * a tensor made from Python data for a tensor's device: ``torch.tensor(0.3, device=x.device)``,
   ``torch.as_tensor(...)``, ``torch.scalar_tensor(...)`` with ``device=`` a ``torch.device`` or an accelerator (e.g.
   ``dist.Normal(loc, 0.3)``, which makes its scale so): on an accelerator a blocking copy from host memory, which
@@ -63,6 +70,16 @@ _DATA_DEPENDENT_SHAPE = {
     torch.ops.aten.unique_dim.default: "unique",
     torch.ops.aten.unique_consecutive.default: "unique_consecutive",
 }
+_STATUS_READ = {  # linear algebra whose CUDA kernels read the solver's status on the host
+    torch.ops.aten._linalg_check_errors.default: "linalg error check",
+    torch.ops.aten._linalg_eigh.default: "eigh",
+    torch.ops.aten.cholesky_inverse.default: "cholesky_inverse",
+}
+_STATUS_READ_IF_CHECKED = {  # the *_ex forms, with check_errors=True
+    torch.ops.aten.linalg_cholesky_ex.default, torch.ops.aten.linalg_inv_ex.default,
+    torch.ops.aten._linalg_solve_ex.default, torch.ops.aten.linalg_lu_factor_ex.default,
+    torch.ops.aten.linalg_ldl_factor_ex.default,
+}
 _HOST_COPY_METHODS = {"cpu", "tolist", "numpy"}
 _FROM_PYTHON_DATA = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
 
@@ -71,7 +88,8 @@ _FROM_PYTHON_DATA = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
 class HostSync:
     """One host synchronisation: what caused it and where (the innermost frames outside torch).
 
-    :param str kind: ``"scalar read"``, ``"host copy (.name)"`` or ``"data-dependent shape (op)"``.
+    :param str kind: ``"scalar read"``, ``"host copy (.name)"``, ``"data-dependent shape (op)"``, ``"solver status
+        read (op)"`` or ``"host-to-device copy (...)"``.
     :param str where: ``file:line in function`` of the innermost frames of the caller's code.
     """
 
@@ -101,6 +119,23 @@ def _for_a_tensors_device(device: object) -> bool:
     if isinstance(device, torch.device):
         return True
     return isinstance(device, (str, int)) and str(device).split(":")[0] != "cpu"
+
+
+def _on_host(tensor: object) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+
+
+def _copies_from_host(func: Any, args: tuple, kwargs: dict) -> bool:  # noqa: ANN401
+    """Whether an operation copies a host tensor to another device: ``_to_copy`` to a non-CPU device, ``copy_`` into
+    a non-CPU tensor, or indexing a non-CPU tensor with host indices."""
+    if func is torch.ops.aten._to_copy.default:
+        target = kwargs.get("device")
+        return _on_host(args[0]) and target is not None and torch.device(target).type != "cpu"
+    if func is torch.ops.aten.copy_.default:
+        return not _on_host(args[0]) and _on_host(args[1])
+    if func is torch.ops.aten.index.Tensor:
+        return not _on_host(args[0]) and any(_on_host(i) for i in args[1])
+    return False
 
 
 def _copies_to_host(args: tuple, kwargs: dict) -> bool:
@@ -146,6 +181,14 @@ class _DispatchLevel(TorchDispatchMode):
                 self.owner._add("scalar read")
         elif func in _DATA_DEPENDENT_SHAPE:
             self.owner._add(f"data-dependent shape ({_DATA_DEPENDENT_SHAPE[func]})")
+        elif func in _STATUS_READ:
+            self.owner._add(f"solver status read ({_STATUS_READ[func]})")
+        elif func in _STATUS_READ_IF_CHECKED and kwargs.get("check_errors", False):
+            self.owner._add(f"solver status read ({func.__name__.split('.')[0]}, check_errors=True)")
+        elif func is torch.ops.aten.cholesky_solve.default and args[0].dim() > 2 and args[0].shape[:-2].numel() > 1:
+            self.owner._add("solver status read (cholesky_solve of a batch)")
+        elif _copies_from_host(func, args, kwargs):
+            self.owner._add(f"host-to-device copy ({func.__name__.split('.')[0]})")
         elif func is torch.ops.aten.index.Tensor and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
         ):

@@ -9,8 +9,8 @@ A page under ``docs/`` shows a result between two markers::
 
 and this script writes the text between them from the named source: a harness run of :data:`HARNESS_RUNS` (a
 ``results.json`` written by ``python -m pyro_flat bench``: command, configuration, the table over seeds, the
-flat-minus-base differences paired by seed and the flat-vs-base figure), a few-shot transfer run of
-``benchmarks/sa_bma_transfer.py`` (:data:`TRANSFER_RUNS`), the summary of every flat method against its base
+differences of each method from its base paired by seed and the flat-vs-base figure), a few-shot transfer run of
+``benchmarks/sa_bma_transfer.py`` (:data:`TRANSFER_RUNS`), the summary of every method against its base
 (``results/*/results.json``: the runs of :data:`SUMMARY_RUNS`), or a Markdown file a benchmark wrote (its text, less
 its title). The pages are plain Markdown, so they read the same on the repository and in the built documentation.
 The README's flat-vs-base table between its ``flat-vs-base`` markers is generated the same way. ``--figures`` also
@@ -101,7 +101,7 @@ SUMMARY_RUNS = {"sharpness_aware": "sharpness-aware", "sgmcmc": "sgmcmc", "f_sgl
 # the README shows the main flat method of each family (the docs' summary shows every pair)
 README_METHODS = ("f_vi", "sam", "f_mc_dropout", "f_ensemble", "emcmc", "f_sgld", "bsam", "f_swag", "hwa", "sa_bma")
 COLLAPSE_POINTS = 5.0
-"""A seed on which a flat method's accuracy is this many points or more below its base's is named under the
+"""A seed on which a method's accuracy is this many points or more below its base's is named under the
 summary: one such seed dominates the mean and spread of its row."""
 
 
@@ -110,16 +110,16 @@ def harness_runs() -> list[Path]:
     return [RESULTS / run / "results.json" for run in HARNESS_RUNS]
 
 
-def _paired(records: list[dict], dataset: str, flat: str, base: str, key: str, scale: float) -> list[float]:
-    """flat - base per seed (seeds both ran), times ``scale``."""
-    return [d for _, d in _paired_by_seed(records, dataset, flat, base, key, scale)]
+def _paired(records: list[dict], dataset: str, method: str, base: str, key: str, scale: float) -> list[float]:
+    """method - base per seed (seeds both ran), times ``scale``."""
+    return [d for _, d in _paired_by_seed(records, dataset, method, base, key, scale)]
 
 
-def _paired_by_seed(records: list[dict], dataset: str, flat: str, base: str, key: str,
+def _paired_by_seed(records: list[dict], dataset: str, method: str, base: str, key: str,
                     scale: float) -> list[tuple[int, float]]:
     value = {(r["method"], r["seed"]): r["metrics"].get(key) for r in records if r["dataset"] == dataset}
-    seeds = sorted(s for m, s in value if m == flat and value.get((base, s)) is not None)
-    return [(s, scale * (value[flat, s] - value[base, s])) for s in seeds if value[flat, s] is not None]
+    seeds = sorted(s for m, s in value if m == method and value.get((base, s)) is not None)
+    return [(s, scale * (value[method, s] - value[base, s])) for s in seeds if value[method, s] is not None]
 
 
 def _difference_cell(diffs: list[float], fmt: str, lower_is_better: bool) -> str:
@@ -132,35 +132,35 @@ def _difference_cell(diffs: list[float], fmt: str, lower_is_better: bool) -> str
 
 
 def _pairs(records: list[dict], datasets: list[str], only: tuple[str, ...] | None) -> list[tuple[str, str, str]]:
-    """``(dataset, flat, base)`` of every flat method whose base ran (of ``only``, if given)."""
+    """``(dataset, method, base)`` of every method whose base ran (of ``only``, if given)."""
     out = []
     for dataset in datasets:
         methods = list(dict.fromkeys(r["method"] for r in records if r["dataset"] == dataset))
-        out += [(dataset, flat, base) for flat, base in flat_base_pairs(methods) if only is None or flat in only]
+        out += [(dataset, method, base) for method, base in flat_base_pairs(methods) if only is None or method in only]
     return out
 
 
 def differences_table(records: list[dict], datasets: list[str], *, with_run: str | None = None,
                       only: tuple[str, ...] | None = None) -> list[str]:
-    """Rows of flat-minus-base differences paired by seed: mean ± std (seeds where the flat method is better).
+    """Rows of method-minus-base differences paired by seed: mean ± std (seeds where the method is better).
 
-    :param only: the flat methods to show (default: every flat method whose base ran).
+    :param only: the methods to show (default: every method whose base ran).
     """
     lines = []
-    for dataset, flat, base in _pairs(records, datasets, only):
-        cells = [_difference_cell(_paired(records, dataset, flat, base, key, scale), fmt, lower)
+    for dataset, method, base in _pairs(records, datasets, only):
+        cells = [_difference_cell(_paired(records, dataset, method, base, key, scale), fmt, lower)
                  for key, _, scale, fmt, lower in DIFFERENCES]
         first = [with_run] if with_run is not None else []
-        lines.append("| " + " | ".join([*first, dataset, f"{flat} vs {base}", *cells]) + " |")
+        lines.append("| " + " | ".join([*first, dataset, f"{method} vs {base}", *cells]) + " |")
     return lines
 
 
 def collapsed_seeds(records: list[dict], datasets: list[str], only: tuple[str, ...] | None = None) -> list[str]:
-    """One sentence per seed on which a flat method lost :data:`COLLAPSE_POINTS` or more accuracy points to its
+    """One sentence per seed on which a method lost :data:`COLLAPSE_POINTS` or more accuracy points to its
     base, with the row's accuracy difference over the other seeds."""
     notes = []
-    for dataset, flat, base in _pairs(records, datasets, only):
-        diffs = _paired_by_seed(records, dataset, flat, base, "acc", 100.0)
+    for dataset, method, base in _pairs(records, datasets, only):
+        diffs = _paired_by_seed(records, dataset, method, base, "acc", 100.0)
         acc = {(r["method"], r["seed"]): 100 * r["metrics"]["acc"] for r in records if r["dataset"] == dataset}
         for seed, diff in diffs:
             if diff > -COLLAPSE_POINTS:
@@ -168,7 +168,7 @@ def collapsed_seeds(records: list[dict], datasets: list[str], only: tuple[str, .
             rest = [d for s, d in diffs if s != seed]
             without = "" if not rest else (f"; over the other {len(rest)} seeds Δ acc is "
                                            f"{_difference_cell(rest, '{:+.2f}', False)}")
-            notes.append(f"{flat} vs {base} on {dataset}: seed {seed} collapsed ({flat} {acc[flat, seed]:.1f} % "
+            notes.append(f"{method} vs {base} on {dataset}: seed {seed} collapsed ({method} {acc[method, seed]:.1f} % "
                          f"against {base} {acc[base, seed]:.1f} % accuracy){without}.")
     return notes
 
@@ -201,15 +201,15 @@ def harness_section(run: Path, page: Path) -> str:
              "Mean ± standard deviation over seeds:", "", summary_table(rows).rstrip("\n")]
     differences = differences_table(records, datasets)
     if differences:
-        lines += ["", "Each flat method minus its base, paired by seed: mean ± std (seeds where the flat method is "
-                  "better / seeds):", "",
+        lines += ["", "Each method minus its base (the method it is compared with), paired by seed: mean ± std (seeds "
+                  "where the method is better / seeds):", "",
                   "| dataset | pair | " + " | ".join(h for _, h, *_ in DIFFERENCES) + " |",
                   "|---" * (len(DIFFERENCES) + 2) + "|", *differences]
     for dataset in datasets:
         methods = list(dict.fromkeys(r["method"] for r in records if r["dataset"] == dataset))
         if flat_base_pairs(methods):
             figure = _link(run.parent / f"flat_vs_base_{dataset}.png", page)
-            lines += ["", f"![{dataset}: each flat method minus its base, per seed]({figure})"]
+            lines += ["", f"![{dataset}: each method minus its base, per seed]({figure})"]
     return "\n".join(lines)
 
 
@@ -251,11 +251,11 @@ def markdown_section(path: Path, page: Path) -> str:
 
 
 def summary(link: str, only: tuple[str, ...] | None = None) -> str:
-    """Each flat method against its base, paired by seed, over the comparisons of each method family, and the seeds
-    that collapsed.
+    """Each method against its base (a flat method and its non-flat base, or another comparison: ``swag`` against
+    ``map``), paired by seed, over the comparisons of each method family, and the seeds that collapsed.
 
     :param link: the method page's link, formatted with ``page`` (e.g. ``"docs/methods/{page}.md"``).
-    :param only: the flat methods to show (default: all).
+    :param only: the methods to show (default: all).
     """
     lines = ["| run | dataset | pair | " + " | ".join(h for _, h, *_ in DIFFERENCES) + " |",
              "|---" * (len(DIFFERENCES) + 3) + "|"]
@@ -266,10 +266,10 @@ def summary(link: str, only: tuple[str, ...] | None = None) -> str:
         lines += differences_table(payload["records"], datasets, with_run=f"[{name}]({link.format(page=page)})",
                                    only=only)
         notes += collapsed_seeds(payload["records"], datasets, only)
-    lines += ["", "Flat minus base, mean ± std over seeds (seeds where the flat method is better / seeds); lower NLL, "
+    lines += ["", "Method minus base, mean ± std over seeds (seeds where the method is better / seeds); lower NLL, "
               "ECE and λ_max are better. Generated by `python scripts/results_pages.py` from `results/*/results.json`."]
     if notes:
-        lines += ["", f"A seed on which the flat method lost {COLLAPSE_POINTS:g} accuracy points or more to its base "
+        lines += ["", f"A seed on which the method lost {COLLAPSE_POINTS:g} accuracy points or more to its base "
                   "dominates its row:", "", *[f"* {note}" for note in notes]]
     return "\n".join(lines)
 

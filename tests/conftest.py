@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 
@@ -56,18 +58,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def cuda_sync_errors():
-    """CUDA's sync-debug mode at "error" for one test (an operation that synchronises with the host raises), restored
-    to what it was after the test, whatever happens in it. torch announces the mode as a prototype with a warning,
-    which this fixture silences (the suite turns warnings into errors)."""
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype feature")
-        torch.cuda.set_sync_debug_mode("error")
+def no_host_sync() -> Callable[[str], AbstractContextManager]:
+    """``no_host_sync(device)``: a context manager inside which an operation that synchronises with the host fails the
+    test. On CUDA, sync-debug mode "error" (the operation raises; torch's prototype warning silenced, the suite turns
+    warnings into errors); on another device (``meta``, the CPU twin), a :class:`~pyro_flat.testing.HostSyncCounter`
+    that must stay empty. Enter it after the test's set-up: copying the data to the device synchronises by design.
+    The sync-debug mode is restored on exit and after the test, whatever happens in it."""
+    previous: list[int] = []  # CUDA's mode before the test (asked only on CUDA: without a driver, asking fails)
+
+    @contextlib.contextmanager
+    def inside(device: str) -> Iterator[None]:
+        if torch.device(device).type != "cuda":
+            from pyro_flat.testing import HostSyncCounter
+
+            with HostSyncCounter() as syncs:
+                yield
+            assert syncs.count == 0, f"on {device}: {syncs.report()}"
+            return
+        previous[:] = previous or [torch.cuda.get_sync_debug_mode()]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype feature")
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous[0])
+
     try:
-        yield
+        yield inside
     finally:
-        torch.cuda.set_sync_debug_mode(previous)
+        if previous:
+            torch.cuda.set_sync_debug_mode(previous[0])
 
 
 @pytest.fixture

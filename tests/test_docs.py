@@ -70,6 +70,15 @@ def test_pages_render_on_the_repository_too():
             assert "{include}" not in page.read_text(), page.relative_to(ROOT)
 
 
+def test_front_page_is_a_landing_text_not_the_sidebar_again():
+    # the sidebar lists every page; the front page's toctrees feed it and are not shown a second time in the text
+    text = (DOCS / "index.md").read_text()
+    toctrees = re.findall(r"```\{toctree\}\n(.*?)```", text, flags=re.S)
+    assert toctrees and all(":hidden:" in options for options in toctrees)
+    landing = text.split("```{toctree}")[0]
+    assert "guide/quickstart.md" in landing and len(landing.split()) < 400  # a few paragraphs, and where to start
+
+
 def test_every_committed_harness_run_is_declared(script):
     git = shutil.which("git")
     listed = subprocess.run([git, "ls-files", "results"], cwd=ROOT, capture_output=True, text=True) if git else None

@@ -6,7 +6,7 @@ r"""The non-flat baselines, built on plain Pyro, that every flat method is compa
   ``Trace_ELBO``.
 
 ``Trace_ELBO`` here is :class:`~pyro_flat.infer.TensorTrace_ELBO` (its values and gradients, without a host read per
-site).
+site), or its compiled form :class:`~pyro_flat.infer.JitTensorTrace_ELBO` with ``--compile``.
 * ``mc_dropout``: MAP of a network with dropout, predicted with dropout active (MC-Dropout [2]).
 * ``ensemble``: ``ensemble_size`` MAP fits from independent initialisations, averaged (deep ensembles [3]).
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import pyro
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 
-from ..infer import TensorTrace_ELBO
 from ..nn import BayesianClassifier, init_to_network
 from .problem import Posterior, Problem, run_svi
 from .registry import register_method
@@ -56,7 +55,7 @@ def fit_mean_field(problem: Problem, model: BayesianClassifier, loss: pyro.infer
 
 @register_method("vi", description="mean-field VI (Bayes by backprop): AutoNormal + TensorTrace_ELBO")
 def fit_vi(problem: Problem) -> Posterior:
-    return fit_mean_field(problem, problem.build_model(), TensorTrace_ELBO())
+    return fit_mean_field(problem, problem.build_model(), problem.base_loss())
 
 
 def fit_dropout_map(problem: Problem, loss: pyro.infer.ELBO | None = None) -> Posterior:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pyro.infer.autoguide import AutoNormal
 from torch import Tensor, nn
 
-from ..infer import AutoLowRankPlusDiagonalNormal, JitKLBallELBO, KLBallELBO, TensorTrace_ELBO
+from ..infer import AutoLowRankPlusDiagonalNormal, JitKLBallELBO, KLBallELBO
 from ..infer.autoguide import SWAGCollector
 from ..infer.predict import guide_draws
 from ..nn import init_to_network
@@ -52,7 +52,7 @@ def _low_rank_fit(problem: Problem, method: str, loss_factory: type | None, dire
     )
     info = {"rank": rank}
     if loss_factory is None:
-        loss = TensorTrace_ELBO()
+        loss = problem.base_loss()
     else:
         info["radius"] = problem.option(method, "radius", DEFAULT_RADIUS[direction])
         info["kl_weight"] = problem.option(method, "kl_weight", 1.0)

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data import ClassificationData
 from ..data.images import VisionData
 from ..distributed import ddp_elbo
-from ..infer import TensorSVI, TensorTrace_ELBO
+from ..infer import JitTensorTrace_ELBO, TensorSVI, TensorTrace_ELBO
 from ..infer.predict import guide_draws, sample_draws
 from ..nn import BayesianClassifier
 from .batches import is_distributed, minibatch_size, shard_size, steps_per_epoch, world
@@ -129,6 +129,11 @@ class Problem:
         if self.config.precision == "bf16":
             model.autocast = torch.bfloat16
         return model
+
+    def base_loss(self) -> TensorTrace_ELBO:
+        """The non-flat ELBO of the run's methods: ``TensorTrace_ELBO``, or its compiled form ``JitTensorTrace_ELBO``
+        with ``config.compile`` (so that a flat method and its base are both compiled)."""
+        return JitTensorTrace_ELBO() if self.config.compile else TensorTrace_ELBO()
 
     def option(self, method: str, name: str, default: Any) -> Any:
         """A per-method hyperparameter from ``config.options[method][name]``, else ``default``; ``name`` must be one of
@@ -268,7 +273,8 @@ def run_svi(
     it is Pyro's ``ELBOModule`` in ``DistributedDataParallel`` (:func:`~pyro_flat.distributed.ddp_elbo`) with the same
     torch optimizer, each rank on its shard.
 
-    :param loss: the ELBO (default ``TensorTrace_ELBO()``; the flat ones with ``distributed=True`` when data-parallel).
+    :param loss: the ELBO (default :meth:`Problem.base_loss`; the flat ones with ``distributed=True`` when
+        data-parallel).
     :param optim: the optimizer (default ``problem.optim_spec()``); a schedule is stepped after every step.
     :param callback: called as ``callback(step)`` after every step (e.g. to collect SWAG iterates).
     :param log_every: keep every ``log_every``-th loss value.
@@ -276,7 +282,7 @@ def run_svi(
     :returns: the kept loss values.
     :raises FloatingPointError: if the loss becomes NaN or infinite, naming the step.
     """
-    loss = TensorTrace_ELBO() if loss is None else loss
+    loss = problem.base_loss() if loss is None else loss
     spec = problem.optim_spec(num_steps) if optim is None else optim
     num_steps = problem.num_steps if num_steps is None else num_steps
     extra = dict(state or {})

@@ -195,7 +195,7 @@ def plot_reliability(
         return False
     cols = min(4, len(firsts))
     rows = math.ceil(len(firsts) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.7 * rows), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 4.0 * rows), squeeze=False, layout="constrained")
     first = next(iter(firsts.values()))
     y = (first.test_labels if data is None else data.y_test).cpu()
     for ax, (method, r) in zip(axes.flat, firsts.items(), strict=False):
@@ -220,17 +220,27 @@ FLAT_VS_BASE_METRICS: tuple[tuple[str, str, float, bool], ...] = (
 
 
 def flat_base_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
-    """``(flat, base)`` for every method in ``methods`` whose registered baseline is also in ``methods``."""
+    """``(method, base)`` for every method in ``methods`` whose registered baseline is also in ``methods``.
+
+    Most are a flat method and its base (``f_swag``, ``swag``), but not all: ``swag`` and ``swa`` are compared with
+    ``map``, ``vi_cyclical`` with ``vi``, ``csgld`` with ``sgld``. What shows the pairs names them as method − base."""
     present = set(methods)
     return [(m, METHODS[m].baseline) for m in methods if m in METHODS and METHODS[m].baseline in present]
 
 
-def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: str) -> bool:
-    """Each flat method minus its base on ``dataset``, per seed and per metric, saved as PNG.
+FLAT_VS_BASE_MARGIN = 1.3
+"""The half-width of a flat-vs-base panel over the largest distance from 0 of a seed or a mean ± sd bar: the farthest
+marker sits at 77 % of the half-width, clear of the frame."""
 
-    One compact panel per metric (:data:`FLAT_VS_BASE_METRICS`), the pairs of the run in rows on a shared axis: a dot
-    per seed for flat − base on that seed, a diamond with a bar for the mean ± standard deviation over seeds, a line at
-    0 (no difference) and the side where the flat method is better shaded. ``records`` are the per-seed records of a
+
+def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: str) -> bool:
+    """Each method minus its base (:func:`flat_base_pairs`) on ``dataset``, per seed and per metric, saved as PNG.
+
+    One compact panel per metric (:data:`FLAT_VS_BASE_METRICS`), the pairs of the run in rows on a shared axis, each
+    named ``method − base`` (not every method compared with a base is a flat one: ``swag − map``): a dot per seed for
+    method − base on that seed, a diamond with a bar for the mean ± standard deviation over seeds, a line at 0 (no
+    difference) and the side where the method is better shaded. Each panel is symmetric about 0 and wide enough that
+    every dot and bar sits inside it (:data:`FLAT_VS_BASE_MARGIN`). ``records`` are the per-seed records of a
     ``results.json`` (:func:`record_dict`). Returns ``False`` (and writes nothing) when the run has no pair on
     ``dataset``.
     """
@@ -251,31 +261,32 @@ def plot_flat_vs_base(path: Path, records: Sequence[dict[str, Any]], dataset: st
                              sharey=True, squeeze=False, layout="constrained")
     positions = range(len(pairs))[::-1]  # the first pair on top
     for (key, label, scale, lower_is_better), ax in zip(metrics, axes[0], strict=True):
-        spread = []
-        for (flat, base), y in zip(pairs, positions, strict=True):
-            diffs = [scale * (value[flat, s][key] - value[base, s][key]) for m, s in value
-                     if m == flat and (base, s) in value and value[flat, s].get(key) is not None
+        reach = 0.0  # the largest distance from 0 of a dot or a bar's end
+        for (method, base), y in zip(pairs, positions, strict=True):
+            diffs = [scale * (value[method, s][key] - value[base, s][key]) for m, s in value
+                     if m == method and (base, s) in value and value[method, s].get(key) is not None
                      and value[base, s].get(key) is not None]
             if not diffs:
                 continue
-            spread += diffs
             ax.plot(diffs, [y] * len(diffs), "o", color="0.45", markersize=3, alpha=0.7, zorder=3)
             mean = sum(diffs) / len(diffs)
             std = 0.0 if len(diffs) < 2 else math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
             ax.errorbar([mean], [y], xerr=[std], fmt="D", color="black", markersize=4, capsize=2, zorder=4)
-        limit = 1.15 * max((abs(d) for d in spread), default=1.0) or 1.0
+            reach = max(reach, *(abs(d) for d in diffs), abs(mean) + std)
+        limit = FLAT_VS_BASE_MARGIN * reach or 1.0
         ax.set_xlim(-limit, limit)
         ax.axvspan(-limit if lower_is_better else 0, 0 if lower_is_better else limit, color="tab:green", alpha=0.08)
         ax.axvline(0, color="0.3", linewidth=0.8)
-        arrow = "← flat better" if lower_is_better else "flat better →"
-        ax.set_xlabel(f"flat − base\n{arrow}", fontsize=7)
+        arrow = "← method better" if lower_is_better else "method better →"
+        ax.set_xlabel(f"method − base\n{arrow}", fontsize=7)
         ax.set_title(label, fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(nbins=3, symmetric=True))
         ax.tick_params(labelsize=6)
         ax.grid(axis="y", color="0.9", linewidth=0.5)
-    axes[0][0].set_yticks(list(positions), [f"{flat} − {base}" for flat, base in pairs], fontsize=6.5)
+    axes[0][0].set_yticks(list(positions), [f"{method} − {base}" for method, base in pairs], fontsize=6.5)
     axes[0][0].set_ylim(-0.7, len(pairs) - 0.3)
-    fig.suptitle(f"{dataset}: flat method minus its base; dots: seeds, diamond: mean ± sd", fontsize=8)
+    fig.suptitle(f"{dataset}: each method minus its base (the method it is compared with); dots: seeds, diamond: "
+                 "mean ± sd", fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -57,7 +57,6 @@ from pyro import poutine
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 from torch import Tensor
 
-from ..infer import TensorTrace_ELBO
 from ..infer.autoguide import SWAGCollector
 from ..infer.averaging import HWA
 from ..metrics import model_loss_fn
@@ -142,7 +141,7 @@ def _map_loss(
 ) -> Callable[[Tensor, Tensor, int], Callable[[], Tensor]]:
     """(x, y, N) -> a function computing the negative log joint per datum, -log p(y_B, theta) / N, on the minibatch
     (through DistributedDataParallel when data-parallel)."""
-    module = problem.data_parallel(TensorTrace_ELBO()(model, guide))
+    module = problem.data_parallel(problem.base_loss()(model, guide))
     return lambda x, y, n: lambda: module(x, y, num_data=n) / n
 
 

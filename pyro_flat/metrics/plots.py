@@ -11,6 +11,7 @@ from .calibration import reliability_bins
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from matplotlib.transforms import Transform
 
 _DIAGONAL = "perfect calibration"
 
@@ -28,8 +29,8 @@ def reliability_diagram(
     Draws one bar per non-empty bin of :func:`~pyro_flat.metrics.reliability_bins` (height :math:`\mathrm{acc}_b`,
     spanning the bin), the mean confidence :math:`\mathrm{conf}_b` of each bin as a marker and the diagonal
     :math:`\mathrm{acc}=\mathrm{conf}`; the legend gives the ECE (:func:`~pyro_flat.metrics.expected_calibration_error`
-    with the same bins) and sits under the axes, where it hides no bar. Bars below the diagonal mean over-confidence.
-    Several calls on one ``ax`` overlay methods.
+    with the same bins) and sits under the x-axis label, where it hides no bar and no label. Bars below the diagonal
+    mean over-confidence. Several calls on one ``ax`` overlay methods.
 
     :param probs: BMA probabilities :math:`\bar p`, shape ``[N, C]``.
     :param y: labels, int64 of shape ``[N]``.
@@ -63,6 +64,7 @@ def reliability_diagram(
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_aspect("equal")
+        ax.set_anchor("S")  # squared at the bottom of its box, where a layout measured the legend under it
         ax.set_xlabel("confidence (max probability)")
         ax.set_ylabel("accuracy")
     text = f"ECE = {ece:.4f} ({num_bins} bins)"
@@ -84,8 +86,21 @@ def reliability_diagram(
         linestyle="none",
         color=bars.patches[0].get_facecolor(),
     )
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize="small", frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=_under_x_label(ax), fontsize="small",
+              frameon=False)
     return ax.figure
+
+
+def _under_x_label(ax: Axes) -> Transform:
+    """``ax``'s axes coordinates moved down past its x tick marks, tick labels and x label (in points, from their
+    sizes), so that a legend hung from ``(0.5, 0)`` sits under the label at any figure size and dpi."""
+    from matplotlib.transforms import offset_copy
+
+    tick = ax.xaxis.get_major_ticks()[0]
+    line = 1.2  # a line of text is about 1.2 font sizes high
+    drop = (tick.get_tick_padding() + tick.get_pad() + line * tick.label1.get_fontsize() + ax.xaxis.labelpad
+            + line * ax.xaxis.label.get_fontsize())
+    return offset_copy(ax.transAxes, fig=ax.figure, y=-drop, units="points")
 
 
 __all__ = ["reliability_diagram"]

@@ -220,7 +220,7 @@ def make_bayesian(
         loc = data.clone() if prior_loc == "current" else torch.zeros((), dtype=data.dtype, device=data.device)
         owner.register_buffer(_INIT + name, data)
         owner.register_buffer(_PRIOR_LOC + name, loc)
-        owner.register_buffer(_PRIOR_SCALE + name, torch.full((), float(prior_scale), dtype=data.dtype))
+        owner.register_buffer(_PRIOR_SCALE + name, data.new_full((), float(prior_scale)))
         setattr(owner, name, PyroSample(_GaussianPrior(name)))
         tied += [_Tie(sub, pname, owner, name) for sub, pname in others]
     if tied:
@@ -346,7 +346,8 @@ def pack_latents(module: PyroModule, name: str = "weights") -> PyroModule:
     module.register_buffer(_INIT + name, init)
     for prefix, parts in ((_PRIOR_LOC, locs), (_PRIOR_SCALE, scales)):
         scalars = [p for p in parts if p.dim() == 0]
-        if len(scalars) == len(parts) and all(bool(p == parts[0]) for p in parts):  # once, at construction
+        # one host read, at construction; values on the meta device are unknown, so kept one per weight
+        if len(scalars) == len(parts) and not init.is_meta and bool(torch.stack(scalars).eq(parts[0]).all()):
             module.register_buffer(prefix + name, parts[0].clone())
         else:
             module.register_buffer(prefix + name, torch.cat([p.expand(n) if p.dim() == 0 else p for p, n in zip(

@@ -41,6 +41,13 @@ and autograd adds several :math:`P\times K` buffers in the backward pass. A repa
 a second gradient, :math:`(s\odot\bar g_\theta)z_2^\top`; :func:`low_rank_rsample_and_log_prob` returns the draw
 and its log-density from one autograd node, so that both land in one :math:`P\times K` buffer.
 
+**No host synchronisation.** :math:`C` is factorised by ``torch.linalg.cholesky_ex``, whose status stays on the
+device, and solved with triangular solves (``torch.cholesky_solve`` and ``torch.cholesky_inverse`` read a status on
+the host on CUDA: MAGMA's, or the check of their result). :math:`C` is positive definite for every finite factor (its
+eigenvalues are at least 1), so a failed factorisation means a non-finite factor: its Cholesky factor is then NaN,
+which the density, the draws' log-density and the gradients carry; ``check_errors=True`` (a guide under validation)
+raises instead, with one host read.
+
 The same holds in SWAG's absolute form :math:`\Sigma = \mathrm{diag}(d) + WW^\top`, with :math:`C = I +
 W^\top\mathrm{diag}(d)^{-1}W` accumulated over blocks of rows and :math:`\nabla_W = q a^\top -
 \mathrm{diag}(d)^{-1}WC^{-1}`, :math:`q = \Sigma^{-1}(\theta - m)`.
@@ -69,12 +76,16 @@ __all__ = [
     "swag_to_low_rank",
 ]
 
-ROW_BLOCK = 1 << 15
-r"""Rows of a :math:`P\times K` matrix per block of the row-wise reductions (a block is a small temporary)."""
+BLOCK_BYTES = 1 << 26
+r"""Bytes of the temporary of one block of rows of the row-wise reductions of a :math:`P\times K` matrix (64 MiB):
+a bounded temporary, in few blocks (one kernel launch or three each; ResNet-18's 11 M rows at rank 5 in float32 take
+4 blocks, where blocks of a fixed 32,768 rows took 342, launch-bound on a GPU)."""
 
 
-def _row_blocks(size: int) -> range:
-    return range(0, size, ROW_BLOCK)
+def _row_blocks(matrix: Tensor) -> range:
+    """The first rows of the blocks of ``matrix`` (``[..., P, K]``) whose temporaries hold :data:`BLOCK_BYTES`."""
+    row_bytes = max(1, matrix[..., :1, :].numel() * matrix.element_size())
+    return range(0, matrix.shape[-2], max(1, BLOCK_BYTES // row_bytes))
 
 
 def _recorded(*tensors: Tensor) -> bool:
@@ -89,8 +100,9 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
         return (a * b).sum(-1)
     shape = torch.broadcast_shapes(a.shape, b.shape)
     out = a.new_empty(shape[:-1])
-    for start in _row_blocks(shape[-2]):
-        stop = start + ROW_BLOCK
+    blocks = _row_blocks(a.expand(shape))
+    for start in blocks:
+        stop = start + blocks.step
         torch.sum(a[..., start:stop, :] * b[..., start:stop, :], -1, out=out[..., start:stop])
     return out
 
@@ -102,10 +114,15 @@ def low_rank_variance(diag: Tensor, factor: Tensor, *, relative: bool = True) ->
     return diag.square() * (1 + squares) if relative else diag + squares
 
 
-def low_rank_capacitance_tril(factor: Tensor, variance: Tensor | None = None) -> Tensor:
+def low_rank_capacitance_tril(factor: Tensor, variance: Tensor | None = None, *, check_errors: bool = False) -> Tensor:
     r"""The Cholesky factor :math:`L` of the capacitance :math:`C = I + V^\top V` (relative factor :math:`V`,
     ``variance=None``) or :math:`C = I + W^\top\mathrm{diag}(d)^{-1}W` (absolute factor, ``variance`` = :math:`d`,
-    accumulated over blocks of rows unless autograd records it), shape ``[..., K, K]``."""
+    accumulated over blocks of rows unless autograd records it), shape ``[..., K, K]``.
+
+    Made without a host synchronisation: where :math:`C` is not positive definite (a non-finite factor, or a
+    non-positive :math:`d`), :math:`L` is NaN. With ``check_errors=True``, that raises a ``ValueError`` instead (one
+    host read).
+    """
     rank = factor.shape[-1]
     if variance is None:
         gram = factor.mT @ factor
@@ -113,11 +130,34 @@ def low_rank_capacitance_tril(factor: Tensor, variance: Tensor | None = None) ->
         gram = (factor / variance.unsqueeze(-1)).mT @ factor
     else:
         gram = 0
-        for start in _row_blocks(factor.shape[-2]):
-            block = factor[..., start : start + ROW_BLOCK, :]
-            gram = gram + (block / variance[..., start : start + ROW_BLOCK, None]).mT @ block
+        blocks = _row_blocks(factor)
+        for start in blocks:
+            block = factor[..., start : start + blocks.step, :]
+            gram = gram + (block / variance[..., start : start + blocks.step, None]).mT @ block
     eye = torch.eye(rank, dtype=factor.dtype, device=factor.device)
-    return torch.linalg.cholesky(gram + eye)
+    tril, info = torch.linalg.cholesky_ex(gram + eye)
+    if check_errors and bool((info != 0).any()):
+        order = int(info.max())
+        raise ValueError(
+            f"low_rank_capacitance_tril: the capacitance I + {'V^T V' if variance is None else 'W^T diag(d)^-1 W'} "
+            f"({rank} x {rank}) is not positive definite (its leading minor of order {order} is not): the factor is "
+            f"not finite or so large that its products overflow {factor.dtype}"
+            f"{'' if variance is None else ', or the variance d is not positive'}"
+        )
+    return torch.where(info.unsqueeze(-1).unsqueeze(-1) == 0, tril, torch.nan)
+
+
+def _capacitance_solve(tril: Tensor, vectors: Tensor) -> Tensor:
+    r""":math:`C^{-1}y` for ``vectors`` :math:`y` shaped ``[..., K]``, from :math:`L` (two triangular solves)."""
+    half = torch.linalg.solve_triangular(tril, vectors.unsqueeze(-1), upper=False)
+    return torch.linalg.solve_triangular(tril.mT, half, upper=True).squeeze(-1)
+
+
+def _capacitance_inverse(tril: Tensor) -> Tensor:
+    r""":math:`C^{-1} = L^{-\top}L^{-1}`, ``[..., K, K]``."""
+    eye = torch.eye(tril.shape[-1], dtype=tril.dtype, device=tril.device)
+    inverse_tril = torch.linalg.solve_triangular(tril, eye, upper=False)
+    return inverse_tril.mT @ inverse_tril
 
 
 def _factor_times(factor: Tensor, vectors: Tensor) -> Tensor:
@@ -159,29 +199,38 @@ def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
     return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
 
 
+def _density(
+    value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, relative: bool, check_errors: bool
+) -> tuple[Tensor, ...]:
+    """``(log q(value), L, a)`` in plain differentiable operations (the forward pass of :class:`_LowRankLogProb`)."""
+    diff = value - loc
+    if relative:
+        whitened = diff / diag
+        projected = _factor_transpose_times(factor, whitened)
+        tril = low_rank_capacitance_tril(factor, check_errors=check_errors)
+        logdet_diag = 2 * diag.log().sum(-1)
+        squared = whitened.square().sum(-1)
+    else:
+        projected = _factor_transpose_times(factor, diff / diag)
+        tril = low_rank_capacitance_tril(factor, diag, check_errors=check_errors)
+        logdet_diag = diag.log().sum(-1)
+        squared = (diff.square() / diag).sum(-1)
+    solved = _capacitance_solve(tril, projected)
+    mahalanobis = squared - (projected * solved).sum(-1)
+    logdet = logdet_diag + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis), tril, solved
+
+
 class _LowRankLogProb(torch.autograd.Function):
     r""":math:`\log q(\theta)` and its gradients by the formulas of the module docstring (first order only)."""
 
     @staticmethod
-    def forward(ctx: object, value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, relative: bool) -> Tensor:
-        diff = value - loc
-        if relative:
-            whitened = diff / diag
-            projected = _factor_transpose_times(factor, whitened)
-            tril = low_rank_capacitance_tril(factor)
-            logdet_diag = 2 * diag.log().sum(-1)
-            squared = whitened.square().sum(-1)
-        else:
-            projected = _factor_transpose_times(factor, diff / diag)
-            tril = low_rank_capacitance_tril(factor, diag)
-            logdet_diag = diag.log().sum(-1)
-            squared = (diff.square() / diag).sum(-1)
-        solved = torch.cholesky_solve(projected.unsqueeze(-1), tril).squeeze(-1)
-        mahalanobis = squared - (projected * solved).sum(-1)
-        logdet = logdet_diag + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    def forward(ctx: object, value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, relative: bool,
+                check_errors: bool) -> Tensor:
+        log_prob, tril, solved = _density(value, loc, diag, factor, relative, check_errors)
         ctx.save_for_backward(value, loc, diag, factor, tril, solved)
         ctx.relative = relative
-        return -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis)
+        return log_prob
 
     @staticmethod
     @once_differentiable
@@ -206,7 +255,7 @@ class _LowRankLogProb(torch.autograd.Function):
         if ctx.needs_input_grad[3] or (ctx.needs_input_grad[2] and not relative):
             total = _sum_to(grad, parameter_batch)[..., None, None]
             # -(sum of grad) V C^{-1}, or -(sum of grad) diag(d)^{-1} W C^{-1}: the factor's gradient, written in place
-            grad_factor = factor @ (-total * torch.cholesky_inverse(tril))
+            grad_factor = factor @ (-total * _capacitance_inverse(tril))
             if not relative:
                 grad_factor.div_(diag.unsqueeze(-1))
         if ctx.needs_input_grad[2]:
@@ -224,10 +273,13 @@ class _LowRankLogProb(torch.autograd.Function):
                 grad_factor = grad_factor + _sum_to(weighted.unsqueeze(-1) * solved.unsqueeze(-2), factor.shape)
         else:
             grad_factor = None
-        return grad_value, grad_loc, grad_diag, grad_factor, None
+        return grad_value, grad_loc, grad_diag, grad_factor, None, None
 
 
-def low_rank_log_prob(value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, *, relative: bool = True) -> Tensor:
+def low_rank_log_prob(
+    value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, *, relative: bool = True, check_errors: bool = False,
+    fused: bool = True,
+) -> Tensor:
     r""":math:`\log\mathcal N(\theta;\ m,\ \Sigma)` for :math:`\Sigma = \mathrm{diag}(s)(I + VV^\top)\mathrm{diag}(s)`
     (``relative``, ``diag`` = :math:`s`, ``factor`` = :math:`V`) or :math:`\Sigma = \mathrm{diag}(d) + WW^\top`
     (``relative=False``, ``diag`` = :math:`d`, ``factor`` = :math:`W`), with the gradients of the module docstring:
@@ -238,9 +290,16 @@ def low_rank_log_prob(value: Tensor, loc: Tensor, diag: Tensor, factor: Tensor, 
     :param loc: :math:`m`, ``[..., P]``.
     :param diag: :math:`s > 0` or :math:`d > 0`, ``[..., P]``.
     :param factor: :math:`V` or :math:`W`, ``[..., P, K]``.
+    :param check_errors: raise a ``ValueError`` where the capacitance is not positive definite (one host read;
+        :func:`low_rank_capacitance_tril`) instead of returning NaN.
+    :param fused: the gradients by the formulas above, in one custom autograd node (default); ``False``: the same
+        log-density in plain differentiable operations, which autograd differentiates (a step captured as a graph of
+        tensor operations, :mod:`pyro_flat.runtime.capture`, cannot keep a custom node's backward).
     :returns: the log-density, shape the broadcast batch shape.
     """
-    return _LowRankLogProb.apply(*_seen_by_torch(value, loc, diag, factor), relative)
+    if not fused:
+        return _density(value, loc, diag, factor, relative, check_errors)[0]
+    return _LowRankLogProb.apply(*_seen_by_torch(value, loc, diag, factor), relative, check_errors)
 
 
 def low_rank_covariance_product(scale: Tensor, factor: Tensor, vector: Tensor) -> Tensor:
@@ -289,22 +348,31 @@ def swag_to_low_rank(
     return mean.clone(), (scale * variance).sqrt(), factor
 
 
+def _draw_and_density(
+    loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor, check_errors: bool
+) -> tuple[Tensor, ...]:
+    """``(theta, log q(theta), L, a)`` in plain differentiable operations (the forward pass of
+    :class:`_LowRankSampleLogProb`)."""
+    whitened = noise_diag + _factor_times(factor, noise_rank)  # x = (theta - m) / s
+    value = loc + scale * whitened
+    projected = _factor_transpose_times(factor, whitened)
+    tril = low_rank_capacitance_tril(factor, check_errors=check_errors)
+    solved = _capacitance_solve(tril, projected)
+    mahalanobis = whitened.square().sum(-1) - (projected * solved).sum(-1)
+    logdet = 2 * scale.log().sum(-1) + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return value, -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis), tril, solved
+
+
 class _LowRankSampleLogProb(torch.autograd.Function):
     r"""The draw :math:`\theta = m + s\odot(z_1 + Vz_2)` and :math:`\log q(\theta)` as one node: the gradient of the
     log-density is its total derivative (through :math:`\theta` too), and the factor receives one gradient buffer."""
 
     @staticmethod
     def forward(
-        ctx: object, loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor
+        ctx: object, loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor,
+        check_errors: bool,
     ) -> tuple[Tensor, Tensor]:
-        whitened = noise_diag + _factor_times(factor, noise_rank)  # x = (theta - m) / s
-        value = loc + scale * whitened
-        projected = _factor_transpose_times(factor, whitened)
-        tril = low_rank_capacitance_tril(factor)
-        solved = torch.cholesky_solve(projected.unsqueeze(-1), tril).squeeze(-1)
-        mahalanobis = whitened.square().sum(-1) - (projected * solved).sum(-1)
-        logdet = 2 * scale.log().sum(-1) + 2 * tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-        log_prob = -0.5 * (value.shape[-1] * math.log(2 * math.pi) + logdet + mahalanobis)
+        value, log_prob, tril, solved = _draw_and_density(loc, scale, factor, noise_diag, noise_rank, check_errors)
         ctx.save_for_backward(loc, scale, factor, noise_diag, noise_rank, tril, solved)
         return value, log_prob
 
@@ -325,7 +393,7 @@ class _LowRankSampleLogProb(torch.autograd.Function):
             weighted_residual = whitened.sub_(_factor_times(factor, solved)).mul_(weight)  # g r, in place of x
             through_value = grad_value * scale
             total = _sum_to(grad_log_prob, factor.shape[:-2])[..., None, None]
-            grad_factor = factor @ (-total * torch.cholesky_inverse(tril))  # the one P x K buffer
+            grad_factor = factor @ (-total * _capacitance_inverse(tril))  # the one P x K buffer
             shift = solved - noise_rank  # a - z2
             if factor.dim() == 2:
                 rows, rank = factor.shape
@@ -335,11 +403,12 @@ class _LowRankSampleLogProb(torch.autograd.Function):
                 outer = through_value.unsqueeze(-1) * noise_rank.unsqueeze(-2)
                 outer = outer + weighted_residual.unsqueeze(-1) * shift.unsqueeze(-2)
                 grad_factor = grad_factor + _sum_to(outer, factor.shape)
-        return grad_loc, grad_scale, grad_factor, None, None
+        return grad_loc, grad_scale, grad_factor, None, None, None
 
 
 def low_rank_rsample_and_log_prob(
-    loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor
+    loc: Tensor, scale: Tensor, factor: Tensor, noise_diag: Tensor, noise_rank: Tensor, *, check_errors: bool = False,
+    fused: bool = True,
 ) -> tuple[Tensor, Tensor]:
     r"""The draw :math:`\theta = m + s\odot(z_1 + Vz_2)` of :func:`low_rank_rsample` (relative form) and
     :math:`\log q(\theta)` of :func:`low_rank_log_prob`, from one autograd node: the gradients of any function of
@@ -352,6 +421,11 @@ def low_rank_rsample_and_log_prob(
     :param factor: :math:`V`, ``[..., P, K]``.
     :param noise_diag: :math:`z_1`, ``[..., P]`` (the draws' shape).
     :param noise_rank: :math:`z_2`, ``[..., K]``.
+    :param check_errors: as for :func:`low_rank_log_prob`.
+    :param fused: one custom autograd node (default), or plain differentiable operations (as for
+        :func:`low_rank_log_prob`).
     :returns: ``(value, log_prob)``.
     """
-    return _LowRankSampleLogProb.apply(*_seen_by_torch(loc, scale, factor, noise_diag, noise_rank))
+    if not fused:
+        return _draw_and_density(loc, scale, factor, noise_diag, noise_rank, check_errors)[:2]
+    return _LowRankSampleLogProb.apply(*_seen_by_torch(loc, scale, factor, noise_diag, noise_rank), check_errors)

@@ -46,12 +46,12 @@ def test_options():
         sharpness_aware_loss(bad, "sam")
 
 
-@pytest.mark.parametrize("method", ["f_vi", "sgld"])
+@pytest.mark.parametrize("method", ["map", "vi", "f_vi", "sa_bma", "sgld"])
 def test_compiled_runs_reproduce_the_eager_runs(method, monkeypatch):
-    """``RunConfig(compile=True)`` trains through the compiled objectives and kernels, whose steps are the eager ones
-    (the captured graph runs uncompiled here: TorchInductor would cost seconds; tests/infer/test_compiled.py
-    compiles)."""
-    from pyro_flat.bench import flat_seeking, sgmcmc
+    """``RunConfig(compile=True)`` trains every method through a compiled step, the non-flat bases included (their
+    ``JitTensorTrace_ELBO``: on a GPU, CUDA graphs), and those steps are the eager ones (the captured graph runs
+    uncompiled here: TorchInductor would cost seconds; tests/infer/test_compiled.py compiles)."""
+    from pyro_flat.bench import flat_seeking, kl_ball, problem, sgmcmc
 
     made = []
 
@@ -61,7 +61,9 @@ def test_compiled_runs_reproduce_the_eager_runs(method, monkeypatch):
             return made[-1]
         return build
 
+    monkeypatch.setattr(problem, "JitTensorTrace_ELBO", graph(problem.JitTensorTrace_ELBO))
     monkeypatch.setattr(flat_seeking, "JitSharpnessAwareELBO", graph(flat_seeking.JitSharpnessAwareELBO))
+    monkeypatch.setattr(kl_ball, "JitKLBallELBO", graph(kl_ball.JitKLBallELBO))
     monkeypatch.setattr(sgmcmc, "SGLD", graph(sgmcmc.SGLD))
     config = TINY.replace(num_epochs=1)
     eager = run_one(method, "digits", 0, config)

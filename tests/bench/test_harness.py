@@ -253,7 +253,7 @@ def test_flat_vs_base_figure(tmp_path, monkeypatch):
         low, high = ax.get_xlim()
         assert low == -high and any(list(line.get_xdata()) == [0, 0] for line in ax.get_lines())
     acc = fig.axes[0]
-    assert "flat better →" in acc.get_xlabel() and "← flat better" in fig.axes[1].get_xlabel()
+    assert "method better →" in acc.get_xlabel() and "← method better" in fig.axes[1].get_xlabel()
     seeds = sorted(x for line in acc.get_lines() if line.get_marker() == "o" for x in line.get_xdata())
     assert seeds == pytest.approx([-1.0] * 3 + [5.0] * 3)  # f_vi - vi and sam - map, per seed, in points
     # no flat method whose base ran: nothing is written

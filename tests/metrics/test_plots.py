@@ -49,7 +49,32 @@ def test_reliability_legend_covers_no_bar(seed):
     legend = ax.get_legend().get_window_extent(renderer)
     assert ax.patches and not [bar for bar in ax.patches if bar.get_window_extent(renderer).overlaps(legend)]
     assert not legend.overlaps(ax.get_window_extent(renderer))
+    assert_legend_clear_of_the_x_axis(ax, renderer)
     for text in ax.get_legend().get_texts():  # and it is drawn inside the figure
+        box = text.get_window_extent(renderer)
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+
+
+def assert_legend_clear_of_the_x_axis(ax, renderer):
+    """``ax``'s legend overlaps neither its x label nor its x tick labels (window extents after a draw)."""
+    legend = ax.get_legend().get_window_extent(renderer)
+    label = ax.xaxis.label.get_window_extent(renderer)
+    assert ax.xaxis.label.get_text() and not legend.overlaps(label), (legend, label)
+    ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+    assert ticks and not [box for box in ticks if box.overlaps(legend)]
+
+
+@pytest.mark.parametrize(("size", "dpi"), [((3.2, 3.7), 100), ((4.5, 5.0), 72), ((8.0, 8.0), 200)])
+def test_reliability_legend_sits_under_the_axis_label(size, dpi):
+    logits, y = make_problem()
+    fig = Figure(figsize=size, dpi=dpi, layout="constrained")
+    ax = fig.add_subplot()
+    for scale, name in [(1.0, "a"), (0.3, "tempered")]:  # two legend entries and the diagonal's
+        reliability_diagram(bma_probs(scale * logits), y, ax=ax, label=name)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    assert_legend_clear_of_the_x_axis(ax, renderer)
+    for text in ax.get_legend().get_texts():  # kept in the figure by the layout
         box = text.get_window_extent(renderer)
         assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
 

@@ -68,7 +68,7 @@ class AutoGaussianPosterior(AutoContinuous):
             if factor is not None and factor[n].shape[:-1] != self._shapes[n]:
                 raise ValueError(f"{owner}: `factor[{n!r}]` must have shape {tuple(self._shapes[n])} + (K,)")
         flat_mean, flat_variance = _flat(mean, names), _flat(variance, names)
-        if not bool((flat_variance > 0).all()):
+        if not flat_variance.is_meta and not bool((flat_variance > 0).all()):  # meta tensors hold no values
             raise ValueError(f"{owner}: `variance` must be > 0 everywhere")
         rank = 0 if factor is None else next(iter(factor.values())).shape[-1]
         flat_factor = flat_mean.new_zeros(len(flat_mean), 0) if factor is None else torch.cat(

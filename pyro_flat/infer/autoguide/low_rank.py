@@ -49,6 +49,7 @@ from ...ops.low_rank import (
     row_dot,
     swag_to_low_rank,
 )
+from ...runtime.capture import is_capturing
 from ..util import is_real_support
 from .swag_collector import SWAGCollector
 
@@ -126,7 +127,7 @@ class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
 
     @lazy_property
     def _capacitance_tril(self) -> Tensor:
-        return low_rank_capacitance_tril(self._params[2])
+        return low_rank_capacitance_tril(self._params[2], check_errors=bool(self._validate_args))
 
     @lazy_property
     def cov_factor(self) -> Tensor:
@@ -150,7 +151,9 @@ class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
         noise_diag = torch.empty(shape, dtype=loc.dtype, device=loc.device).normal_()  # torch's own standard draws
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in self._params)):
             return low_rank_rsample(loc, scale, factor, noise_diag, noise_rank)
-        value, log_prob = low_rank_rsample_and_log_prob(loc, scale, factor, noise_diag, noise_rank)
+        value, log_prob = low_rank_rsample_and_log_prob(loc, scale, factor, noise_diag, noise_rank,
+                                                        check_errors=bool(self._validate_args),
+                                                        fused=not is_capturing())
         self._scored = (value, log_prob)
         return value
 
@@ -159,7 +162,8 @@ class ScaledLowRankMultivariateNormal(dist.LowRankMultivariateNormal):
             self._validate_sample(value)
         if self._scored is not None and value is self._scored[0]:
             return self._scored[1]
-        log_prob = low_rank_log_prob(value, *self._params)
+        log_prob = low_rank_log_prob(value, *self._params, check_errors=bool(self._validate_args),
+                                     fused=not is_capturing())
         return log_prob.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
 
     def entropy(self) -> Tensor:

@@ -9,6 +9,7 @@ from pyro.distributions import constraints
 from torch import Tensor
 
 from ...ops.low_rank import low_rank_log_prob, low_rank_rsample, low_rank_variance
+from ...runtime.capture import is_capturing
 
 __all__ = ["LowRankPlusDiagonalNormal"]
 
@@ -81,7 +82,9 @@ class LowRankPlusDiagonalNormal(dist.TorchDistribution):
         if cov_factor.shape[-1] == 0:
             log_prob = dist.Normal(loc, cov_diag.sqrt()).log_prob(value).sum(-1)
         else:
-            log_prob = low_rank_log_prob(value, loc, cov_diag, cov_factor, relative=False)
+            log_prob = low_rank_log_prob(value, loc, cov_diag, cov_factor, relative=False,
+                                         check_errors=bool(self._validate_args),
+                                         fused=not is_capturing())
         return log_prob.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
 
     def expand(self, batch_shape: torch.Size, _instance: object = None) -> LowRankPlusDiagonalNormal:
