@@ -31,6 +31,7 @@ __all__ = [
     "BatchNormBase",
     "InstanceNormBase",
     "OpOverload",
+    "RNN_FLAT_WEIGHTS",
     "TorchDispatchMode",
     "autocontinuous_loc_scale",
     "blocks",
@@ -39,6 +40,7 @@ __all__ = [
     "op_schema",
     "optimizer_states_not_consumed",
     "pytree",
+    "rnn_weight_names",
     "set_unconstrained",
     "trace_log_r",
     "unconstrained_of",
@@ -53,6 +55,18 @@ predicate for "a layer with running batch statistics"."""
 
 InstanceNormBase = nn.modules.instancenorm._InstanceNorm
 """The base class of the InstanceNorm layers: torch has no public base class for them."""
+
+RNN_FLAT_WEIGHTS = "_flat_weights"
+"""The attribute through which ``nn.RNNBase.forward`` hands a recurrent layer's weights to its kernel (a list torch
+caches and keeps in step with the weight attributes): torch has no public way to give the kernel weights that change
+at every call, other than replacing this cache as Pyro's ``PyroModule[nn.RNNBase]`` does."""
+
+
+def rnn_weight_names(layer: nn.RNNBase) -> list[str]:
+    """The names of a recurrent layer's weight attributes in the order its kernel takes them
+    (``RNNBase._flat_weights_names``): torch has no public accessor for it."""
+    return layer._flat_weights_names
+
 
 # ``torch.utils._pytree`` (flattening nested arguments and outputs, as torch.compile does): torch 2.14 has no public
 # pytree module. ``TorchDispatchMode`` (seeing every ATen operation a block runs, the way ``make_fx`` does): torch

@@ -1,4 +1,10 @@
-"""Argument checks shared across the package."""
+"""Argument checks shared across the package.
+
+One rule for numbers given as tensors: a tensor with one element stands for the number it holds (an int for an
+integer dtype, a float for a floating one; never a bool), read once, when the argument is checked, so that
+``step_size=torch.tensor(1e-3)`` and ``step_size=1e-3`` mean the same everywhere. The checks return the Python
+number; a tensor of several elements is not a number.
+"""
 
 from __future__ import annotations
 
@@ -9,28 +15,36 @@ import torch
 from torch import Tensor
 
 
+def as_number(value: object) -> object:
+    """The number a one-element tensor holds (a host read); any other value as it is."""
+    return value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+
+
 def is_int(value: object, minimum: float = -math.inf) -> bool:
-    """Whether ``value`` is an int (not a bool) of at least ``minimum``."""
+    """Whether ``value`` is an int (not a bool; or a one-element integer tensor) of at least ``minimum``."""
+    value = as_number(value)
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def is_real(
     value: object, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
 ) -> bool:
-    """Whether ``value`` is a finite real number (an int or a float, not a bool) between ``low`` and ``high`` (each end
-    included unless ``low_open`` / ``high_open``)."""
+    """Whether ``value`` is a finite real number (an int or a float, not a bool; or a one-element tensor holding one)
+    between ``low`` and ``high`` (each end included unless ``low_open`` / ``high_open``)."""
+    value = as_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
     return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
 
 
 def check_int(value: object, name: str, *, minimum: int = 1, owner: str | None = None) -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``; otherwise a ``ValueError`` that names
-    ``owner`` (the function or class being called), the argument and the bound."""
+    """``value`` as an int if it is an int (not a bool; or a one-element integer tensor) of at least ``minimum``;
+    otherwise a ``ValueError`` that names ``owner`` (the function or class being called), the argument and the
+    bound."""
     if not is_int(value, minimum):
         prefix = f"{owner}: " if owner else ""
         raise ValueError(f"{prefix}`{name}` must be an int >= {minimum}, got {value!r}")
-    return value
+    return int(as_number(value))
 
 
 def _interval(low: float, high: float, low_open: bool, high_open: bool) -> str:
@@ -52,14 +66,14 @@ def check_real(
     high_open: bool = False,
     owner: str | None = None,
 ) -> float:
-    """``value`` as a float if it is a finite real number (an int or a float, not a bool) between ``low`` and
-    ``high`` (each end included unless ``low_open`` / ``high_open``); otherwise a ``ValueError`` that names
-    ``owner`` (the function or class being called), the argument and the accepted numbers, e.g.
-    ``"SAM: `rho` must be a finite number >= 0, got -1"``."""
+    """``value`` as a float if it is a finite real number (an int or a float, not a bool; or a one-element tensor
+    holding one) between ``low`` and ``high`` (each end included unless ``low_open`` / ``high_open``); otherwise a
+    ``ValueError`` that names ``owner`` (the function or class being called), the argument and the accepted numbers,
+    e.g. ``"SAM: `rho` must be a finite number >= 0, got -1"``."""
     if not is_real(value, low, high, low_open=low_open, high_open=high_open):
         prefix = f"{owner}: " if owner else ""
         raise ValueError(f"{prefix}`{name}` must be {_interval(low, high, low_open, high_open)}, got {value!r}")
-    return float(value)
+    return float(as_number(value))
 
 
 def check_positive(

@@ -49,9 +49,9 @@ def _cell(outcomes: set[str]) -> str:
 def _catalogue() -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
     """The features of each catalogue case, and the description of each feature."""
     sys.path.insert(0, str(ROOT))
-    from tests.conformance.catalogue import CASES, FEATURES
+    from tests.conformance.catalogue import CASES, FEATURES, NETWORK_CASES
 
-    return {case.name: case.features for case in CASES}, FEATURES
+    return {case.name: case.features for case in [*CASES, *NETWORK_CASES]}, FEATURES
 
 
 def _cells(records: list[dict], key: str) -> dict[tuple[str, str], set[str]]:

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pyro_flat"
 
 PRIVATE_NAMES = {"_PYRO_STACK", "_params", "_BatchNorm", "_InstanceNorm", "_schema", "_state_waiting_to_be_consumed",
                  "_get_loc_and_scale", "_unpack_latent", "_ops", "_pytree", "_python_dispatch", "_deterministic",
-                 "hide_fn", "unconstrained"}
+                 "hide_fn", "unconstrained", "_flat_weights", "_flat_weights_names"}
 """The private names of Pyro and torch pyro_flat uses (the attribute ``unconstrained`` is set by ``pyro.param``)."""
 
 
@@ -77,6 +77,11 @@ def test_torch_internals_still_mean_what_they_meant():
     for layer in (nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2), nn.LazyBatchNorm1d()):
         assert isinstance(layer, _internals.BatchNormBase) and hasattr(layer, "running_mean")
     assert isinstance(nn.InstanceNorm2d(2), _internals.InstanceNormBase)
+    lstm = nn.LSTM(2, 3, num_layers=2)
+    names = _internals.rnn_weight_names(lstm)
+    assert names[:4] == ["weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"] and len(names) == 8
+    assert [w is getattr(lstm, n) for w, n in zip(getattr(lstm, _internals.RNN_FLAT_WEIGHTS), names, strict=True)] == [
+        True] * 8
     assert not isinstance(nn.GroupNorm(1, 2), (_internals.BatchNormBase, _internals.InstanceNormBase))
     schema = _internals.op_schema(torch.ops.aten.add_.Tensor)
     assert isinstance(torch.ops.aten.add_.Tensor, _internals.OpOverload)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from pyro_flat._validation import all_true, check_int, check_real
+from pyro_flat._validation import all_true, check_int, check_positive, check_real
 
 
 def test_check_int_accepts_ints_at_the_bound():
@@ -49,3 +49,50 @@ def test_all_true_reads_every_flag_at_once():
     assert all_true([])
     assert all_true([ones.isfinite().all(), (ones > 0).all()])
     assert not all_true([ones.isfinite().all(), (ones > 1).all(), torch.tensor(True)])
+
+
+def test_a_one_element_tensor_is_the_number_it_holds_and_nothing_else_is_a_number():
+    assert check_real(torch.tensor(0.5), "rho", low=0) == 0.5 and type(check_real(torch.tensor(2), "x")) is float
+    assert check_real(torch.tensor([0.25]), "rho") == 0.25
+    assert check_int(torch.tensor(3), "k") == 3 and type(check_int(torch.tensor(3), "k")) is int
+    for value in (torch.tensor(float("nan")), torch.tensor(True), torch.tensor([1.0, 2.0]), torch.tensor(-1.0)):
+        with pytest.raises(ValueError, match=r"^`rho` must be a finite number >= 0"):
+            check_real(value, "rho", low=0)
+    for value in (torch.tensor(3.0), torch.tensor(True), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match=r"^`k` must be an int >= 1"):
+            check_int(value, "k")
+
+
+def _sgld(step_size):
+    from pyro_flat.infer.mcmc import SGLD
+
+    return SGLD(potential_fn=lambda p: (p["x"] ** 2).sum(), step_size=step_size).schedule(0)
+
+
+def _sam(rho):
+    from pyro_flat.optim import SAM
+
+    return SAM([torch.zeros(1, requires_grad=True)], torch.optim.SGD, rho=rho, lr=0.1).rho
+
+
+def _sghmc(friction):
+    from pyro_flat.infer.mcmc import SGHMC
+
+    return SGHMC(potential_fn=lambda p: (p["x"] ** 2).sum(), step_size=0.1, friction=friction).friction
+
+
+def _entropy_sgld(outer_step_size):
+    from pyro_flat.infer.mcmc import EntropySGLD
+
+    return EntropySGLD(potential_fn=lambda p: (p["x"] ** 2).sum(), eta=1.0, step_size=0.1,
+                       outer_step_size=outer_step_size).outer_step_size
+
+
+@pytest.mark.parametrize("build", [_sgld, _sam, _sghmc, _entropy_sgld], ids=lambda f: f.__name__[1:])
+def test_every_number_argument_takes_a_tensor_by_the_same_rule(build):
+    """SGLD's step size as rho: the number a one-element tensor holds, or the same refusal."""
+    assert build(torch.tensor(0.25)) == build(0.25) == 0.25
+    for bad in (torch.tensor(float("nan")), float("nan"), torch.tensor([0.1, 0.2])):
+        with pytest.raises(ValueError, match=r"must be a (finite number|number in)"):
+            build(bad)
+    assert check_positive(torch.tensor(1e-3), "step_size") == 1e-3

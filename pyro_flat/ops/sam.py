@@ -57,10 +57,6 @@ def sam_perturbation(
 
 def check_radius(rho: float, name: str = "rho") -> float:
     """Validate a SAM-type radius: a finite, non-negative number. Returns it as a float."""
-    if isinstance(rho, Tensor):
-        if rho.numel() != 1:
-            raise ValueError(f"`{name}` must be a scalar, got a tensor of shape {tuple(rho.shape)}")
-        rho = float(rho)
     return check_real(rho, name, low=0)
 
 

@@ -75,6 +75,18 @@ from ._common import (
     recorded_gradients_at,
 )
 
+_GROUP_BOUNDS: dict[str, dict[str, Any]] = {
+    "lr": {"low": 0, "low_open": True},
+    "num_data": {"low": 0, "low_open": True},
+    "rho": {"low": 0},
+    "prior_precision": {"low": 0},
+    "damping": {"low": 0},
+    "beta1": {"low": 0, "high": 1, "high_open": True},
+    "beta2": {"low": 0, "high": 1, "high_open": True},
+    "init_scale": {"low": 0, "low_open": True},
+}
+"""The accepted numbers of each option of a parameter group."""
+
 
 class BayesianSAM(Optimizer):
     r"""Bayesian SAM [1]: keeps :math:`q(\theta)=\mathcal N(m, 1/(Ns))` and draws posterior samples from it.
@@ -163,16 +175,10 @@ class BayesianSAM(Optimizer):
         super().__init__(params, defaults)
 
     @staticmethod
-    def _check_group(group: Mapping[str, Any]) -> None:
-        owner = "BayesianSAM"
-        check_real(group["lr"], "lr", low=0, low_open=True, owner=owner)
-        check_real(group["num_data"], "num_data", low=0, low_open=True, owner=owner)
-        check_real(group["rho"], "rho", low=0, owner=owner)
-        check_real(group["prior_precision"], "prior_precision", low=0, owner=owner)
-        check_real(group["damping"], "damping", low=0, owner=owner)
-        check_real(group["beta1"], "beta1", low=0, high=1, high_open=True, owner=owner)
-        check_real(group["beta2"], "beta2", low=0, high=1, high_open=True, owner=owner)
-        check_real(group["init_scale"], "init_scale", low=0, low_open=True, owner=owner)
+    def _check_group(group: dict[str, Any]) -> None:
+        """Check the group's numbers and keep them as Python floats (a one-element tensor given for one too)."""
+        for key, bounds in _GROUP_BOUNDS.items():
+            group[key] = check_real(group[key], key, owner="BayesianSAM", **bounds)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._validation import check_real
 from ..ops.efficient_sam import DEFAULT_LOOKSAM_ALPHA, SAM_STEP, SharpnessSchedule, check_esam_gamma
 from ..ops.sam import check_radius, sam_perturbation
 from ._common import (
@@ -97,8 +98,8 @@ class SAM(Optimizer):
     ``state_dict()`` holds the base optimizer's state (key ``"base_optimizer"``), the schedule of LookSAM/RST (key
     ``"schedule"``) and LookSAM's direction :math:`g_v` (per parameter, ``"looksam_direction"``).
 
-    :raises ValueError: for a bad ``rho``, ``adaptive``, base optimizer or cheaper-step option (LookSAM and RST
-        together included).
+    :raises ValueError: for a bad ``rho``, ``lr`` (not a finite number >= 0), ``adaptive``, base optimizer or
+        cheaper-step option (LookSAM and RST together included).
     """
 
     def __init__(
@@ -129,6 +130,11 @@ class SAM(Optimizer):
             raise ValueError(f"SAM: `base_optimizer` must build a torch.optim.Optimizer, got {self.base_optimizer!r}")
         self.param_groups = self.base_optimizer.param_groups
         self.defaults.update(self.base_optimizer.defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if "lr" in self.param_groups[-1]:  # as the base optimizer's own check, but a non-finite lr refused too
+            check_real(self.param_groups[-1]["lr"], "lr", low=0, owner="SAM")
 
     def _params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]

@@ -1,8 +1,12 @@
-"""A catalogue of small Pyro model/guide shapes, in the style of Pyro's own tests and examples.
+"""A catalogue of small Pyro model/guide shapes, in the style of Pyro's own tests and examples, and of the torch
+networks users bring to :func:`~pyro_flat.nn.make_bayesian`.
 
 Every :class:`Case` is a model with its data, a guide factory and the features it exercises; the conformance tests run
 every objective, transform, kernel and post-hoc guide of pyro_flat on every case and record the outcome (pass, clear
-refusal, or failure) for the "what works with what" table.
+refusal, or failure) for the "what works with what" table. Every :class:`NetworkCase` is a torch network (recurrent,
+attention, embedding, convolution and normalisation layers, tied weights, the torchvision classifiers) that
+``tests/conformance/test_networks.py`` turns Bayesian, per weight tensor and packed, and checks against its
+hand-written log joint.
 """
 
 from __future__ import annotations
@@ -49,6 +53,13 @@ FEATURES = {
     "particles": "num_particles > 1 / vectorize_particles",
     "discrete": "discrete latents",
     "network": "a Bayesian network (BayesianMLP)",
+    "recurrent": "make_bayesian: recurrent layers (nn.RNN, nn.LSTM, nn.GRU)",
+    "attention": "make_bayesian: attention (nn.MultiheadAttention, nn.TransformerEncoderLayer)",
+    "embedding": "make_bayesian: nn.Embedding",
+    "convolution": "make_bayesian: 1-D and 3-D convolutions",
+    "normalisation": "make_bayesian: LayerNorm, GroupNorm, BatchNorm",
+    "tied": "make_bayesian: tied weights (one tensor in several modules)",
+    "torchvision": "make_bayesian: torchvision classifiers (ResNet, MobileNet, EfficientNet, ViT)",
 }
 
 
@@ -364,4 +375,175 @@ CASES = [
          features=("discrete", "hand-written guide"), discrete=True),
     Case("enumerated discrete latent", enumerated_model, lambda: enumerated_guide, (X,),
          features=("discrete", "hand-written guide"), discrete=True, elbo_kwargs={"max_plate_nesting": 0}),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# networks for make_bayesian: each maps its inputs to [batch, classes] logits (BayesianClassifier's likelihood)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NetworkCase:
+    """A torch network a user turns Bayesian with :func:`~pyro_flat.nn.make_bayesian`.
+
+    :param name: the case's id.
+    :param build: builds the plain torch network (seeded: the same weights at every call, in the default dtype).
+    :param inputs: builds the network's inputs ``x`` (a batch).
+    :param num_classes: the number of logits the network returns per example.
+    :param features: keys of :data:`FEATURES`.
+    :param needs: the optional package the case needs (it is skipped without it).
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], torch.Tensor]
+    num_classes: int
+    features: tuple[str, ...] = ()
+    needs: str | None = None
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class LastStep(nn.Module):
+    """A recurrent layer (batch first) and a linear head on its output at the last time step."""
+
+    def __init__(self, recurrent: nn.RNNBase, classes: int = 3) -> None:
+        super().__init__()
+        self.recurrent = recurrent
+        features = recurrent.proj_size or recurrent.hidden_size
+        self.head = nn.Linear(features * (2 if recurrent.bidirectional else 1), classes)
+
+    def forward(self, x):
+        return self.head(self.recurrent(x)[0][:, -1])
+
+
+class SelfAttention(nn.Module):
+    """Self-attention over the tokens (batch first), mean-pooled, and a linear head."""
+
+    def __init__(self, dim: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.head(self.attention(x, x, x)[0].mean(1))
+
+
+class Pooled(nn.Module):
+    """A module on a batch of tokens (batch first), mean-pooled, and a linear head."""
+
+    def __init__(self, body: nn.Module, dim: int, classes: int = 3) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(1))
+
+
+class TiedLanguageModel(nn.Module):
+    """Token embeddings, mean-pooled, decoded to the vocabulary by a linear layer whose weight IS the embedding
+    matrix (weight tying)."""
+
+    def __init__(self, vocabulary: int = 5, dim: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, dim)
+        self.decode = nn.Linear(dim, vocabulary)
+        self.decode.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.decode(self.embed(tokens).mean(1))
+
+
+def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def seeded():
+        torch.manual_seed(0)
+        return build()
+
+    return seeded
+
+
+def _randn(*shape):
+    return lambda: torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def _shared_linear():
+    first, second = nn.Linear(3, 3), nn.Linear(3, 2)
+    shared = nn.Linear(3, 3)
+    first.weight = shared.weight  # first and shared hold one tensor; shared is used twice below
+    return nn.Sequential(first, nn.Tanh(), shared, nn.Tanh(), shared, nn.Tanh(), second)
+
+
+# torchvision classifiers built without weights, small (imported when built: torchvision is an optional extra)
+
+
+def _resnet():
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3)  # resnet18's blocks, one per stage
+
+
+def _mobilenet_v2():
+    from torchvision.models import mobilenet_v2
+
+    return mobilenet_v2(num_classes=3, width_mult=0.1)
+
+
+def _mobilenet_v3_small():
+    from torchvision.models import mobilenet_v3_small
+
+    return mobilenet_v3_small(num_classes=3, width_mult=0.25)
+
+
+def _efficientnet():
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+
+    stages = [MBConvConfig(1, 3, 1, 8, 8, 1), MBConvConfig(6, 3, 2, 8, 16, 1)]  # efficientnet_b0's first two
+    return EfficientNet(stages, dropout=0.2, stochastic_depth_prob=0.2, num_classes=3)
+
+
+def _vit():
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=8, patch_size=4, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16,
+                             num_classes=3)
+
+
+NETWORK_CASES = [
+    NetworkCase("nn.LSTM (2 layers, bidirectional)", _seeded(lambda: LastStep(
+        nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True))), _randn(4, 5, 3), 3, ("recurrent",)),
+    NetworkCase("nn.LSTM (proj_size, no bias)", _seeded(lambda: LastStep(
+        nn.LSTM(3, 4, proj_size=2, bias=False, batch_first=True))), _randn(4, 5, 3), 3, ("recurrent",)),
+    NetworkCase("nn.GRU", _seeded(lambda: LastStep(nn.GRU(3, 4, batch_first=True))), _randn(4, 5, 3), 3,
+                ("recurrent",)),
+    NetworkCase("nn.RNN (relu, 2 layers)", _seeded(lambda: LastStep(
+        nn.RNN(3, 4, num_layers=2, nonlinearity="relu", batch_first=True))), _randn(4, 5, 3), 3, ("recurrent",)),
+    NetworkCase("nn.MultiheadAttention", _seeded(SelfAttention), _randn(4, 5, 4), 3, ("attention",)),
+    NetworkCase("nn.TransformerEncoderLayer", _seeded(lambda: Pooled(
+        nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, batch_first=True), 4)), _randn(4, 5, 4), 3,
+                ("attention", "normalisation")),
+    NetworkCase("nn.Embedding, tied decoder", _seeded(TiedLanguageModel),
+                lambda: torch.randint(0, 5, (4, 6), generator=torch.Generator().manual_seed(1)), 5,
+                ("embedding", "tied")),
+    NetworkCase("one nn.Linear in two modules, one used twice", _seeded(_shared_linear), _randn(4, 3), 2, ("tied",)),
+    NetworkCase("nn.Conv1d, GroupNorm", _seeded(lambda: nn.Sequential(
+        nn.Conv1d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 3))),
+                _randn(4, 2, 7), 3, ("convolution", "normalisation")),
+    NetworkCase("nn.Conv3d, BatchNorm3d", _seeded(lambda: nn.Sequential(
+        nn.Conv3d(1, 2, 2), nn.BatchNorm3d(2), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(2, 3))),
+                _randn(4, 1, 3, 3, 3), 3, ("convolution", "normalisation")),
+    NetworkCase("nn.LayerNorm MLP", _seeded(lambda: nn.Sequential(
+        nn.Linear(3, 4), nn.LayerNorm(4), nn.GELU(), nn.Linear(4, 3))), _randn(4, 3), 3, ("normalisation",)),
+    NetworkCase("torchvision ResNet", _seeded(_resnet), _randn(4, 3, 32, 32), 3, ("torchvision", "normalisation"),
+                needs="torchvision"),
+    NetworkCase("torchvision MobileNetV2", _seeded(_mobilenet_v2), _randn(2, 3, 16, 16), 3,
+                ("torchvision", "normalisation"), needs="torchvision"),
+    NetworkCase("torchvision MobileNetV3-Small", _seeded(_mobilenet_v3_small), _randn(2, 3, 16, 16), 3,
+                ("torchvision", "normalisation"), needs="torchvision"),
+    NetworkCase("torchvision EfficientNet", _seeded(_efficientnet), _randn(2, 3, 16, 16), 3,
+                ("torchvision", "normalisation"), needs="torchvision"),
+    NetworkCase("torchvision ViT", _seeded(_vit), _randn(2, 3, 8, 8), 3, ("torchvision", "attention", "normalisation"),
+                needs="torchvision"),
 ]

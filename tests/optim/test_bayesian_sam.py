@@ -313,12 +313,19 @@ def test_resumed_training_equals_uninterrupted():
         ({"beta2": -0.1}, "beta2"),
         ({"init_scale": 0.0}, "init_scale"),
         ({"rho": float("inf")}, "rho"),
+        ({"lr": float("nan")}, "lr"),
+        ({"lr": torch.tensor(float("inf"))}, "lr"),
     ],
 )
 def test_bad_hyperparameters(kwargs, match):
     args = {"num_data": 10, **kwargs}
     with pytest.raises(ValueError, match=match):
         BayesianSAM([torch.zeros(2, requires_grad=True)], **args)
+
+
+def test_numbers_given_as_tensors_are_kept_as_the_numbers_they_hold():
+    opt = BayesianSAM([torch.zeros(2, requires_grad=True)], lr=torch.tensor(0.1), num_data=torch.tensor(10))
+    assert opt.param_groups[0]["lr"] == 0.1 and type(opt.param_groups[0]["num_data"]) is float
 
 
 def test_bad_param_group_and_closure():

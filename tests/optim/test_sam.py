@@ -142,6 +142,20 @@ def test_bad_hyperparameters(kwargs, match):
         SAM([torch.zeros(2, requires_grad=True)], torch.optim.SGD, lr=0.1, **kwargs)
 
 
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1, torch.tensor(float("nan"))], ids=repr)
+@pytest.mark.parametrize("base", [torch.optim.SGD, torch.optim.Adam])
+def test_a_learning_rate_that_is_not_a_finite_number_is_refused_like_rho(base, lr):
+    p = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^SAM: `lr` must be a finite number >= 0, got "):
+        SAM([p], base, lr=lr)
+    with pytest.raises(ValueError, match=r"^SAM: `lr` must be a finite number >= 0, got "):
+        SAM([{"params": [p], "lr": lr}], base, lr=0.1)
+    opt = SAM([p], base, lr=0.1)
+    with pytest.raises(ValueError, match=r"^SAM: `lr` must be a finite number >= 0, got "):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)], "lr": lr})
+    SAM([p], base, lr=torch.tensor(0.1))  # a tensor holding a good number is one, as torch's optimizers take it
+
+
 def test_bad_closure_and_base():
     opt = SAM([torch.zeros(2, requires_grad=True)], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="closure"):

@@ -51,7 +51,7 @@ from ...ops.low_rank import (
 )
 from ...runtime.capture import is_capturing
 from ..util import is_real_support
-from .swag import SWAGCollector
+from .swag_collector import SWAGCollector
 
 __all__ = ["AutoLowRankPlusDiagonalNormal", "ScaledLowRankMultivariateNormal"]
 

@@ -13,12 +13,13 @@ sampled as :math:`\tilde\theta=\bar\theta+\sqrt\lambda(\Sigma_{\mathrm{diag}}^{1
 (:mod:`pyro_flat.ops.moments`). :math:`\lambda=\tfrac12` is the paper's SWAG; SWAG-Diagonal drops :math:`D` and uses
 :math:`\lambda=1`; the F-BNN code evaluates F-SWAG at 0.1 and F-SWAG-Diagonal at 0.2 [3].
 
-Two objects, in two files:
+Two objects, in two files (the collector's module imports this one, to build its guide; not the reverse):
 
 * :class:`~pyro_flat.infer.autoguide.SWAGCollector` (:mod:`~pyro_flat.infer.autoguide.swag_collector`) collects
   ``{site: value}`` dicts from any trajectory (pure bookkeeping, no Pyro state); its spaces and site order are
   described there.
-* :class:`AutoSWAG` (here) is the post-hoc Pyro guide built from a collector (:meth:`SWAGCollector.guide`), an
+* :class:`AutoSWAG` (here) is the post-hoc Pyro guide built from a collector
+  (:meth:`~pyro_flat.infer.autoguide.SWAGCollector.guide`), an
   :class:`~pyro_flat.infer.autoguide.AutoGaussianPosterior` whose parameters are **buffers** (like the guide
   :class:`~pyro.infer.autoguide.AutoLaplaceApproximation` returns): usable by ``Predictive(model, guide=swag)``,
   :func:`~pyro_flat.infer.guide_draws` and :func:`~pyro_flat.infer.bma_predict` (which recomputes BatchNorm statistics
@@ -37,21 +38,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from pyro.distributions import constraints
 from torch import Tensor
 
 from ..._validation import check_positive
-from ..util import is_real_support, latent_supports
+from ..util import is_real_support
 from .gaussian_posterior import AutoGaussianPosterior
-from .low_rank_normal import LowRankPlusDiagonalNormal
-from .swag_collector import SWAGCollector
 
-__all__ = ["AutoGaussianPosterior", "AutoSWAG", "LowRankPlusDiagonalNormal", "SWAGCollector", "latent_supports"]
+__all__ = ["AutoSWAG"]
+
+_MOMENTS = ("num_collected", "rank", "sites", "values_dtype", "space_known", "mean", "variance", "deviation_matrix")
+"""What :class:`AutoSWAG` reads from its collector (a :class:`~pyro_flat.infer.autoguide.SWAGCollector`, whose module
+imports this one to build the guide)."""
 
 
 class AutoSWAG(AutoGaussianPosterior):
-    r"""The SWAG posterior of a :class:`SWAGCollector` as a post-hoc Pyro guide (an
+    r"""The SWAG posterior of a :class:`~pyro_flat.infer.autoguide.SWAGCollector` as a post-hoc Pyro guide (an
     :class:`AutoGaussianPosterior`):
 
     .. math::
@@ -63,7 +67,8 @@ class AutoSWAG(AutoGaussianPosterior):
     ``median()`` is :math:`\bar\theta` mapped to the support: the SWA solution.
 
     :param model: the Pyro model whose latent sites were collected.
-    :param SWAGCollector collector: the moments; copied at construction (later collection does not change the guide).
+    :param collector: a :class:`~pyro_flat.infer.autoguide.SWAGCollector`, the moments; copied at construction (later
+        collection does not change the guide).
     :param float scale: :math:`\lambda>0`; default 0.5 (SWAG [1]). Use 1.0 with ``diagonal_only`` for SWAG-Diagonal;
         F-BNN [3] uses 0.1 (F-SWAG) and 0.2 (F-SWAG-Diagonal).
     :param bool diagonal_only: drop the low-rank term (SWAG-Diagonal); default ``False``. Without it the collector
@@ -87,13 +92,13 @@ class AutoSWAG(AutoGaussianPosterior):
     def __init__(
         self,
         model: Callable,
-        collector: SWAGCollector,
+        collector: Any,
         *,
         scale: float = 0.5,
         diagonal_only: bool = False,
         variance: Mapping[str, Tensor] | None = None,
     ) -> None:
-        if not isinstance(collector, SWAGCollector):
+        if not all(hasattr(collector, name) for name in _MOMENTS):
             raise ValueError(f"AutoSWAG: `collector` must be a SWAGCollector, got {type(collector).__name__}")
         if collector.num_collected == 0:
             raise ValueError("AutoSWAG: the collector is empty; collect iterates first")

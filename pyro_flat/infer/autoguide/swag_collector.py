@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from pyro.distributions import constraints
@@ -45,9 +45,7 @@ from torch.distributions import biject_to
 from ..._validation import check_int, check_positive
 from ...ops.moments import VARIANCE_CLAMP, DeviationBuffer, diagonal_variance, update_running_moments
 from ..util import is_real_support
-
-if TYPE_CHECKING:
-    from .swag import AutoSWAG
+from .swag import AutoSWAG
 
 __all__ = ["SWAGCollector"]
 
@@ -331,27 +329,35 @@ class SWAGCollector:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (the ``max_rank`` must match)."""
+        """Restore a :meth:`state_dict` (the ``max_rank`` must match). A collector built with a ``dtype`` keeps its
+        moments in it: those of a narrower dtype are converted (exactly), those of a wider one refused (they would be
+        rounded)."""
         if state["max_rank"] != self.max_rank:
             raise ValueError(f"SWAGCollector.load_state_dict: max_rank {state['max_rank']} != {self.max_rank}")
+        saved = state["mean"].dtype if "mean" in state else None
+        if saved is not None and self.dtype is not None and torch.promote_types(saved, self.dtype) != self.dtype:
+            raise ValueError(
+                f"SWAGCollector.load_state_dict: the state holds {saved} moments and this collector keeps "
+                f"dtype={self.dtype}, which would round them; build the collector with dtype={saved} or None"
+            )
         self.var_clamp = float(state["var_clamp"])
         self.num_collected = int(state["num_collected"])
         self._shapes = {k: torch.Size(v) for k, v in state["sites"].items()}
         self.values_dtype = state.get("values_dtype")
         self.space = state.get("space")
         self.supports = dict(state.get("supports", {}))
+        self._flat = None  # the buffer of the next collection: made again, in the loaded size and dtype
         if "mean" not in state:
             self._mean = self._sq_mean = self._deviations = None
             return
         mean = state["mean"]
-        self._mean = mean.clone()
-        self._sq_mean = state["sq_mean"].clone()
-        self._deviations = DeviationBuffer(self.max_rank, mean.numel(), dtype=mean.dtype, device=mean.device)
+        dtype = saved if self.dtype is None else self.dtype
+        self._mean = mean.to(dtype, copy=True)
+        self._sq_mean = state["sq_mean"].to(dtype, copy=True)
+        self._deviations = DeviationBuffer(self.max_rank, mean.numel(), dtype=dtype, device=mean.device)
         self._deviations.rows.copy_(state["deviation_rows"])
         self._deviations.num_appended = int(state["num_appended"])
 
     def guide(self, model: Callable, scale: float = 0.5, diagonal_only: bool = False) -> AutoSWAG:
         """The :class:`AutoSWAG` guide of the current moments (a snapshot: later collection does not change it)."""
-        from .swag import AutoSWAG  # the guide module imports this one
-
         return AutoSWAG(model, self, scale=scale, diagonal_only=diagonal_only)

@@ -2,14 +2,13 @@ r"""Entropy-SGD: a nested chain that descends the local entropy (kept as a compa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from ..._validation import check_int, check_positive
+from ..._validation import check_int, check_positive, check_real
 from ...ops.diffusions import coupling_grad, langevin_step, running_mean
 from .base import Params, StochasticGradientKernel
 
@@ -87,17 +86,10 @@ class EntropySGD(StochasticGradientKernel):
         self.eta = check_positive(eta, "eta", owner=owner)
         self.num_inner_steps = check_int(num_inner_steps, "num_inner_steps", owner=owner)
         if mean_weight is not None:
-            ok = isinstance(mean_weight, (int, float)) and not isinstance(mean_weight, bool)
-            if not ok or not 0 < mean_weight <= 1:
-                raise ValueError(f"{owner}: expected mean_weight in (0, 1] or None, got {mean_weight!r}")
-            mean_weight = float(mean_weight)
+            mean_weight = check_real(mean_weight, "mean_weight", low=0, high=1, low_open=True, owner=owner)
         self.mean_weight = mean_weight
-        if outer_step_size is None:
-            outer_step_size = self.eta
-        ok = isinstance(outer_step_size, (int, float)) and not isinstance(outer_step_size, bool)
-        if not ok or not 0 < outer_step_size < math.inf:
-            raise ValueError(f"{owner}: expected outer_step_size to be a finite number > 0, got {outer_step_size!r}")
-        self.outer_step_size = float(outer_step_size)
+        self.outer_step_size = self.eta if outer_step_size is None else check_positive(
+            outer_step_size, "outer_step_size", owner=owner)
         if inner_start not in ("continue", "outer"):
             raise ValueError(f"{owner}: expected inner_start 'continue' or 'outer', got {inner_start!r}")
         self.inner_start = inner_start

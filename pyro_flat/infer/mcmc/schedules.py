@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from ..._validation import check_int, check_positive, check_real
+from ..._validation import check_int, check_positive, check_real, is_real
 
 __all__ = ["StepSizeSchedule", "ConstantStepSize", "PolynomialDecay", "CyclicalStepSize", "as_schedule"]
 
@@ -150,7 +150,8 @@ class CyclicalStepSize(StepSizeSchedule):
 
 
 def as_schedule(step_size: float | StepSizeSchedule, name: str = "step_size") -> StepSizeSchedule:
-    """A schedule from a number (:class:`ConstantStepSize`) or a schedule (returned as is).
+    """A schedule from a number (:class:`ConstantStepSize`; a one-element tensor counts as the number it holds) or a
+    schedule (returned as is).
 
     :param step_size: a finite number > 0 or a :class:`StepSizeSchedule`.
     :param str name: the argument's name in error messages.
@@ -158,8 +159,6 @@ def as_schedule(step_size: float | StepSizeSchedule, name: str = "step_size") ->
     """
     if isinstance(step_size, StepSizeSchedule):
         return step_size
-    if isinstance(step_size, (int, float)) and not isinstance(step_size, bool):
-        if not (math.isfinite(step_size) and step_size > 0):
-            raise ValueError(f"expected {name} to be a finite number > 0 or a StepSizeSchedule, got {step_size!r}")
-        return ConstantStepSize(step_size)
-    raise ValueError(f"expected {name} to be a finite number > 0 or a StepSizeSchedule, got {step_size!r}")
+    if not is_real(step_size, 0, low_open=True):
+        raise ValueError(f"`{name}` must be a finite number > 0 or a StepSizeSchedule, got {step_size!r}")
+    return ConstantStepSize(step_size)

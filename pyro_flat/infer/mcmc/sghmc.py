@@ -2,13 +2,13 @@ r"""Stochastic gradient Hamiltonian Monte Carlo (with friction) as a :class:`~py
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..._validation import check_real
 from ...ops.diffusions import sghmc_step
 from .base import Params, StochasticGradientKernel
 
@@ -56,10 +56,7 @@ class SGHMC(StochasticGradientKernel):
         **kwargs: Any,
     ) -> None:
         super().__init__(model, potential_fn, **kwargs)
-        ok = isinstance(friction, (int, float)) and not isinstance(friction, bool) and math.isfinite(friction)
-        if not ok or not 0 < friction <= 1:
-            raise ValueError(f"SGHMC: expected friction in (0, 1], got {friction!r}")
-        self.friction = float(friction)
+        self.friction = check_real(friction, "friction", low=0, high=1, low_open=True, owner="SGHMC")
         self._momentum: Params = {}
 
     def _setup_chain(self, params: Params) -> None:

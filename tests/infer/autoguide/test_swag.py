@@ -270,6 +270,24 @@ def test_resumed_collection_equals_uninterrupted():
         SWAGCollector(max_rank=3).load_state_dict(first.state_dict())
 
 
+def test_a_collector_with_a_dtype_loads_a_state_in_it_or_refuses():
+    narrow = SWAGCollector(max_rank=3)
+    for it in _sgd_iterates(4):
+        narrow.collect({k: v.float() for k, v in it.items()})
+    wide = SWAGCollector(max_rank=3, dtype=torch.float64)
+    wide.collect({k: v.float() for k, v in _sgd_iterates(1, seed=3)[0].items()})  # a buffer of the old state
+    wide.load_state_dict(narrow.state_dict())
+    assert wide.dtype == torch.float64 and wide.flat_mean().dtype == wide.flat_variance().dtype == torch.float64
+    assert wide.deviation_matrix().dtype == torch.float64
+    torch.testing.assert_close(wide.flat_mean(), narrow.flat_mean().double(), rtol=0, atol=0)  # exact
+    it = _sgd_iterates(1, seed=4)[0]
+    wide.collect({k: v.float() for k, v in it.items()})
+    narrow.collect({k: v.float() for k, v in it.items()})
+    torch.testing.assert_close(wide.flat_mean().float(), narrow.flat_mean())
+    with pytest.raises(ValueError, match=r"holds torch.float64 moments and this collector keeps dtype=torch.float32"):
+        SWAGCollector(max_rank=3, dtype=torch.float32).load_state_dict(wide.state_dict())
+
+
 def test_guide_state_dict_round_trip_and_pickle():
     a, b = SWAGCollector(max_rank=4), SWAGCollector(max_rank=4)
     for it in _sgd_iterates(5, seed=0):
