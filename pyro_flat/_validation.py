@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported where a tensor is checked: the command line's help and errors do without it
+    from torch import Tensor
 
 
 def as_number(value: object) -> object:
@@ -90,4 +91,6 @@ def all_true(flags: Sequence[Tensor]) -> bool:
     many tensors were checked)."""
     if not flags:
         return True
+    import torch
+
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
