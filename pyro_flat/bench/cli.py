@@ -76,6 +76,8 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)  # the subcommands' parsers are of this class too
 
     def error(self, message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") != "0":  # under torchrun every rank refuses alike: rank 0 says it
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: object = None) -> argparse.Namespace:
