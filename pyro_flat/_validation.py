@@ -9,6 +9,7 @@ number; a tensor of several elements is not a number.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,8 @@ if TYPE_CHECKING:  # torch is imported where a tensor is checked: the command li
 
 def as_number(value: object) -> object:
     """The number a one-element tensor holds (a host read); any other value as it is."""
-    return value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+    return value.item() if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def is_int(value: object, minimum: float = -math.inf) -> bool:
