@@ -7,11 +7,34 @@ SAM), :mod:`pyro_flat.metrics` (uncertainty and flatness metrics) and :mod:`pyro
 comparison harness behind ``python -m pyro_flat`` is a separate client of the library.
 """
 
-from . import data, infer, metrics, nn, ops, optim, transforms
-from .transforms import local_entropy, sharpness_aware
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
 __all__ = [
     "data", "infer", "metrics", "nn", "ops", "optim", "transforms", "local_entropy", "sharpness_aware", "__version__"
 ]
+
+_SUBPACKAGES = ("data", "infer", "metrics", "nn", "ops", "optim", "transforms")
+_FROM_TRANSFORMS = ("local_entropy", "sharpness_aware")
+
+if TYPE_CHECKING:
+    from . import data, infer, metrics, nn, ops, optim, transforms
+    from .transforms import local_entropy, sharpness_aware
+
+
+def __getattr__(name: str) -> object:
+    """The subpackages and their names, imported on first use (PEP 562): ``python -m pyro_flat --help`` and the
+    command line's argument errors then answer without importing torch and Pyro."""
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _FROM_TRANSFORMS:
+        return getattr(importlib.import_module(f"{__name__}.transforms"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,15 +9,18 @@ number; a tensor of several elements is not a number.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported where a tensor is checked: the command line's help and errors do without it
+    from torch import Tensor
 
 
 def as_number(value: object) -> object:
     """The number a one-element tensor holds (a host read); any other value as it is."""
-    return value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+    return value.item() if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def is_int(value: object, minimum: float = -math.inf) -> bool:
@@ -90,4 +93,6 @@ def all_true(flags: Sequence[Tensor]) -> bool:
     many tensors were checked)."""
     if not flags:
         return True
+    import torch
+
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())

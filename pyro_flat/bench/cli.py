@@ -1,8 +1,16 @@
 """Command line of the comparison harness: ``python -m pyro_flat bench ...``, ``python -m pyro_flat recipe ...``,
 ``python -m pyro_flat list`` and ``python -m pyro_flat data synthetic-cifar DIR``.
 
-A user error (a bad flag or value, a missing folder or file) ends in one line on stderr, ``prog: error: ...``, and
-exit status 2, before any training starts where it can be known then.
+A user error (a bad flag or value, a missing folder or file, a configuration a job is bound to fail on) ends in one
+line on stderr, ``prog: error: ...``, naming the flag as typed, and exit status 2, before the output folder is
+created. Flags are not abbreviated (``--method`` is not ``--methods``); a typo gets the nearest flag suggested. The
+parsing and these checks import neither torch nor Pyro, so ``--help`` and argument errors answer at once; the names
+of the registries (methods, datasets, models, recipes) are checked once those are imported.
+
+A run ends in one clear line too (its tracebacks go to ``OUT/run.log``): exit status 0 when every job finished, 1
+when a job failed (the others ran; ``--fail-fast`` stops at the first) or a fault ended the run (a full disk, a rank
+that stopped answering), 130 / 143 when SIGINT / SIGTERM stopped it at a step boundary; the line says where the
+finished results and the last checkpoint are and the exact command that continues the run.
 
 Under ``torchrun`` (``WORLD_SIZE`` set, even to 1) ``bench`` and ``recipe`` run data-parallel: one process per device
 (``cuda:LOCAL_RANK`` with NCCL for ``--device cuda``, gloo on CPU), each on its shard of every minibatch; rank 0
@@ -14,22 +22,26 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
+import os
+import re
 import shlex
+import signal
 import sys
 import textwrap
+import traceback
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
 from .. import __version__
-from ..data import VISION_DATASETS
 from .config import LATENT_CHOICES, PRESETS, RunConfig
-from .files import OutputFolderError, output_lock
-from .models import MODELS
-from .options import check_option_values
-from .recipes import RECIPES, run_recipe
-from .registry import METHODS, check_method_options, dataset_names
-from .session import init_distributed, run_and_report, shutdown_distributed
+from .signals import stop_on_signals
+
+DEFAULT_TIMEOUT_MINUTES = 10.0
+"""``--dist-timeout``'s default (:data:`~pyro_flat.bench.session.DEFAULT_TIMEOUT`, which this module does not import:
+it would import torch)."""
 
 RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
     "model": "model", "epochs": "num_epochs", "batch_size": "batch_size", "lr": "lr", "prior_scale": "prior_scale",
@@ -39,6 +51,9 @@ RUN_ARGUMENTS = {  # CLI flag -> RunConfig field
     "precision": "precision", "lambda_max_draws": "lambda_max_draws", "lambda_max_points": "lambda_max_points",
     "lambda_max_iters": "lambda_max_iters", "compile": "compile",
 }
+FLAGS = {field: "--" + flag.replace("_", "-") for flag, field in RUN_ARGUMENTS.items()} | {
+    "hidden": "--hidden", "augment": "--no-augment", "channels_last": "--channels-last", "packed": "--per-tensor-sites"}
+"""The flag that sets each ``RunConfig`` field, for errors that name what the user typed."""
 
 DESCRIPTION = """\
 The pyro_flat comparison harness. bench trains every chosen method on every chosen dataset for each seed, then writes a
@@ -51,13 +66,43 @@ stand-in CIFAR folder (random images in the real on-disk format) for trying the 
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``prog: error: message (see prog --help)`` on stderr, exit status 2."""
+    """argparse with one-line errors (``prog: error: message (see prog --help)`` on stderr, exit status 2), no
+    abbreviated flags, and the nearest flag suggested for one it does not know."""
 
     commands: dict[str, argparse.ArgumentParser]
     """The parser of each command (``bench``, ``recipe``, ``data``), for errors found after parsing."""
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)  # the subcommands' parsers are of this class too
+
     def error(self, message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") != "0":  # under torchrun every rank refuses alike: rank 0 says it
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: object = None) -> argparse.Namespace:
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = getattr(self, "commands", {}).get(getattr(namespace, "command", None), self)
+            parser.error(_unrecognized(parser, extras))
+        return namespace
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """``unrecognized argument --method (did you mean --methods?)``: the first unknown flag and the nearest known."""
+    flags = [a for a in extras if a.startswith("-")]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    typed = flags[0].split("=", 1)[0]
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    nearest = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
+    return f"unrecognized argument {typed}" + (f" (did you mean {nearest[0]}?)" if nearest else "")
+
+
+def flag_message(message: str) -> str:
+    """``message`` with each ``RunConfig`` field it names (``RunConfig: `num_epochs```, ``RunConfig.dtype``) replaced
+    by the flag that sets it (``--epochs``)."""
+    return re.sub(r"RunConfig(?::\s*`|\.)(\w+)`?", lambda m: FLAGS.get(m.group(1), m.group(0)), message)
 
 
 def _parse_option(text: str) -> tuple[str, str, object]:
@@ -92,13 +137,14 @@ def preset_help() -> str:
             lines.append(f"          ({purpose[name]})")
     lines += textwrap.wrap(shared, width=110, initial_indent="  ", subsequent_indent="          ",
                            break_on_hyphens=False)
-    return "\n".join([*lines, "The flags below (--epochs, --model, --lr, --set, ...) override a preset."])
+    return "\n".join([*lines, "The flags above (--epochs, --model, --lr, --set, ...) override a preset."])
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags shared by ``bench`` and ``recipe``: architecture, data, optimisation, GPU knobs, checkpoints."""
     group = parser.add_argument_group("model and data")
-    group.add_argument("--model", choices=sorted(MODELS), default=None, help="model builder (default: preset's)")
+    group.add_argument("--model", default=None, metavar="NAME",
+                       help="model builder (default: preset's mlp; python -m pyro_flat list shows them)")
     group.add_argument("--hidden", type=int, nargs="+", default=None, help="MLP hidden widths / CNN channels")
     group.add_argument("--norm", choices=["batch", "group"], default=None, help="ResNet normalisation layers")
     group.add_argument("--depth", type=int, default=None, help="PreResNet / WRN depth (20, 56, 164 / 28)")
@@ -142,6 +188,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                             "flag or --resume, no checkpoints); checkpoints go to OUT/checkpoints")
     group.add_argument("--resume", action="store_true",
                        help="continue a killed run from OUT/checkpoints, exactly where it stopped")
+    group.add_argument("--fail-fast", action="store_true",
+                       help="stop at the first job that fails (default: record it as failed, run the others, exit "
+                            "status 1 at the end)")
+    group.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_MINUTES, metavar="MINUTES",
+                       help="under torchrun: how long a rank waits for the others before the run ends naming the "
+                            f"ranks that stopped answering (default {DEFAULT_TIMEOUT_MINUTES:g})")
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
     group.add_argument("--no-figures", action="store_true",
                        help="write the table, JSON and log only, no figures (drawing them takes seconds per dataset "
@@ -149,8 +201,6 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> _Parser:
-    from . import methods as _methods  # noqa: F401  (fills the registry)
-
     parser = _Parser(prog="python -m pyro_flat", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pyro_flat {__version__}")
@@ -161,7 +211,7 @@ def build_parser() -> _Parser:
                            description="Train and evaluate methods over datasets and seeds.", epilog=preset_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--datasets", nargs="+", default=["digits"], metavar="NAME",
-                       help=f"datasets among {dataset_names()} (default: digits)")
+                       help="datasets (default: digits; python -m pyro_flat list shows them)")
     bench.add_argument("--methods", nargs="+", default=["all"], metavar="NAME",
                        help="methods, or 'all' (default); python -m pyro_flat list shows them")
     bench.add_argument("--seeds", type=int, default=1, help="number of seeds, run as 0..n-1 (default 1)")
@@ -170,7 +220,7 @@ def build_parser() -> _Parser:
     bench.add_argument("--out", type=Path, default=Path("results/quick"), help="output folder (default results/quick)")
     _add_run_arguments(bench)
     recipe = sub.add_parser("recipe", help="a seed paper's headline experiment, with the paper's numbers beside ours")
-    recipe.add_argument("name", choices=sorted(RECIPES), help="the recipe (python -m pyro_flat list shows them)")
+    recipe.add_argument("name", help="the recipe (python -m pyro_flat list shows them)")
     recipe.add_argument("--preset", choices=["paper", "smoke"], default="paper",
                         help="paper: the paper's budget (GPU hours); smoke: tiny networks, a few steps (CI)")
     recipe.add_argument("--seeds", type=int, default=None, help="number of seeds (default: the recipe's)")
@@ -207,6 +257,9 @@ def config_changes(args: argparse.Namespace) -> dict[str, object]:
 
 
 def method_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    """``--set``'s options as ``{method: {key: value}}``, their methods and keys checked against the registry."""
+    from .registry import check_method_options
+
     options: dict[str, dict[str, object]] = {}
     for method, key, value in args.options:
         options.setdefault(method, {})[key] = value
@@ -217,70 +270,189 @@ def method_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return options
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "list":
-        print("methods:")
-        for spec in METHODS.values():
-            base = f"  (compared with {spec.baseline})" if spec.baseline else ""
-            print(f"  {spec.name:<16} {spec.description}{base}")
-        print("datasets:", ", ".join(dataset_names()))
-        print("models:  ", ", ".join(sorted(MODELS)))
-        print("recipes:")
-        for recipe in RECIPES.values():
-            print(f"  {recipe.name:<22} {recipe.title}")
-        return 0
-    command_parser = parser.commands[args.command]
-    if args.command == "data":
-        return write_data(command_parser, args)
-    command = "python -m pyro_flat " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    check_run_arguments(command_parser, args)
-    options = method_options(command_parser, args)
-    try:
-        if args.command == "recipe":
-            try:
-                run_recipe(args.name, preset=args.preset, seeds=args.seeds, out=args.out,
-                           changes=config_changes(args), options=options, command=command,
-                           checkpoint_every=args.checkpoint_every, resume=args.resume,
-                           progress=not args.no_progress, figures=not args.no_figures)
-            except ValueError as err:
-                command_parser.error(str(err))
-        else:
-            bench_command(command_parser, args, options, command)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as err:
-        command_parser.error(str(err))  # a data file or folder the run reads (the message names it)
+def list_command() -> int:
+    """``list``: the registered methods (with the base of each flat one), datasets, models and recipes."""
+    from .models import MODELS
+    from .recipes import RECIPES
+    from .registry import METHODS, dataset_names
+
+    print("methods:")
+    for spec in METHODS.values():
+        base = f"  (compared with {spec.baseline})" if spec.baseline else ""
+        print(f"  {spec.name:<16} {spec.description}{base}")
+    print("datasets:", ", ".join(dataset_names()))
+    print("models:  ", ", ".join(sorted(MODELS)))
+    print("recipes:")
+    for recipe in RECIPES.values():
+        print(f"  {recipe.name:<22} {recipe.title}")
     return 0
 
 
-def bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace, options: dict[str, dict[str, object]],
-          command: str) -> None:
-    """The ``bench`` command: check the names and the configuration, then run and report."""
-    methods = list(METHODS) if args.methods == ["all"] else args.methods
-    for name in methods:
-        if name not in METHODS:
-            parser.error(f"unknown method {name!r}; known methods: {', '.join(METHODS)} (or 'all')")
-    for name in args.datasets:
-        if name not in dataset_names():
-            parser.error(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")
-        if name in VISION_DATASETS and args.data_root is None:
-            parser.error(f"dataset {name!r} is read from a local folder: pass --data-root DIR (python -m pyro_flat "
-                         "data synthetic-cifar DIR writes a stand-in CIFAR folder)")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        return list_command()
+    command_parser = parser.commands[args.command]
+    if args.command == "data":
+        return write_data(command_parser, args)
+    check_run_arguments(command_parser, args)
     try:
-        config = PRESETS[args.preset].replace(options=options, **config_changes(args))
-        check_option_values(config, methods)  # every job's option values, before the first job starts
+        base = PRESETS[args.preset] if args.command == "bench" else RunConfig()
+        base.replace(**config_changes(args))  # the flags' values, checked before torch is imported
     except ValueError as err:
-        parser.error(str(err))
-    config = init_distributed(config)
+        command_parser.error(flag_message(str(err)))
+    run = _Run(command_parser, args, argv)  # from here on torch and Pyro are imported
     try:
-        with output_lock(args.out):  # one run at a time writes to --out
-            run_and_report(args.datasets, methods, args.seeds, config, args.out, command=command,
-                           checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
-                           figures=not args.no_figures)
-    except OutputFolderError as err:
-        parser.error(str(err))
-    finally:
+        with stop_on_signals():
+            failed = run.recipe() if args.command == "recipe" else run.bench()
+    except BaseException as error:  # noqa: BLE001 (each fault ends in one line: _Run.fault)
+        return run.fault(error)
+    return 1 if failed else 0
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    """The shell command that runs ``argv`` the way this process was started (under torchrun: torchrun with as many
+    processes per node)."""
+    args = " ".join(shlex.quote(a) for a in argv)
+    if "WORLD_SIZE" in os.environ:
+        return f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '1')} -m pyro_flat {args}"
+    return f"python -m pyro_flat {args}"
+
+
+class _Run:
+    """One ``bench`` or ``recipe`` run of the command line: its checks, the run, and the one line that ends it."""
+
+    def __init__(self, parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> None:
+        self.parser, self.args = parser, args
+        self.command = "python -m pyro_flat " + " ".join(shlex.quote(a) for a in argv)
+        self.resume_command = _command_line([*argv, "--resume"] if "--resume" not in argv else argv)
+        self.checkpoints = args.checkpoint_every is not None or args.resume
+        self.timeout = timedelta(minutes=args.dist_timeout)
+
+    def error(self, message: str) -> NoReturn:
+        """A user error: one line, exit status 2 (after ending the process group, if any)."""
+        from .session import shutdown_distributed
+
+        try:
+            shutdown_distributed()
+        finally:
+            self.parser.error(flag_message(message))
+
+    def bench(self) -> int:
+        """The ``bench`` command: check the names and the configuration, then run and report; returns the number of
+        failed jobs."""
+        from ..data import VISION_DATASETS
+        from .files import OutputFolderError, output_lock
+        from .registry import METHODS
+        from .runner import check_device, check_jobs
+        from .session import init_distributed, run_and_report, shutdown_distributed
+
+        args = self.args
+        methods = list(METHODS) if args.methods == ["all"] else args.methods
+        for name in methods:
+            if name not in METHODS:
+                self.error(f"unknown method {name!r}; known methods: {', '.join(METHODS)} (or 'all')")
+        for name in args.datasets:
+            if name in VISION_DATASETS and args.data_root is None:
+                self.error(f"dataset {name!r} is read from a local folder: pass --data-root DIR (python -m pyro_flat "
+                           "data synthetic-cifar DIR writes a stand-in CIFAR folder)")
+        options = method_options(self.parser, args)
+        try:
+            config = PRESETS[args.preset].replace(options=options, **config_changes(args))
+            check_device(config.device)
+            config = init_distributed(config, self.timeout)
+            check_jobs(args.datasets, methods, config)  # every job, before the output folder exists
+        except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+            self.error(str(err))
+        try:
+            with output_lock(args.out):  # one run at a time writes to --out
+                records = run_and_report(args.datasets, methods, args.seeds, config, args.out, command=self.command,
+                                         checkpoint_every=args.checkpoint_every, resume=args.resume,
+                                         progress=not args.no_progress, figures=not args.no_figures,
+                                         fail_fast=args.fail_fast)
+        except OutputFolderError as err:
+            self.error(str(err))
         shutdown_distributed()
+        return sum(r.error is not None for r in records)
+
+    def recipe(self) -> int:
+        """The ``recipe`` command; returns the number of failed jobs."""
+        from .recipes import RECIPES, run_recipe
+
+        args = self.args
+        if args.name not in RECIPES:
+            self.error(f"unknown recipe {args.name!r}; known recipes: {', '.join(sorted(RECIPES))}")
+        try:
+            return run_recipe(args.name, preset=args.preset, seeds=args.seeds, out=args.out,
+                              changes=config_changes(args), options=method_options(self.parser, args),
+                              command=self.command, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                              progress=not args.no_progress, figures=not args.no_figures, fail_fast=args.fail_fast,
+                              timeout=self.timeout)
+        except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+            self.error(str(err))
+
+    def fault(self, error: BaseException) -> int:
+        """End a run that stopped early in one line on stderr (its traceback, if any, in ``OUT/run.log``) and return
+        the exit status; data-parallel, end the process at once (the process group may be broken)."""
+        from .files import append_log
+
+        if isinstance(error, SystemExit):
+            raise error
+        line, status, logged = self._describe(error)
+        log = self.args.out / "run.log" if self.args.out.is_dir() else None
+        written = append_log(log, line + ("\n" + "".join(traceback.format_exception(error)) if logged else ""))
+        if logged and written:
+            line += f" (traceback in {log})"
+        rank = os.environ.get("RANK", "0")
+        print(f"pyro_flat: {'' if rank == '0' else f'rank {rank}: '}{line}", file=sys.stderr, flush=True)
+        if "WORLD_SIZE" in os.environ:
+            sys.stdout.flush()
+            os._exit(status)  # the process group may be broken: ending it cleanly could wait for a dead rank
+        return status
+
+    def _describe(self, error: BaseException) -> tuple[str, int, bool]:
+        """The line that ends a run stopped by ``error``, the exit status, and whether the traceback goes to the log."""
+        from .files import disk_full
+        from .runner import JobFailed, collective_failure
+        from .session import unresponsive_ranks
+        from .signals import Interrupted
+
+        out = self.args.out
+        done = len(list(out.glob("**/records/*/record.pt")))
+        finished = f"the results of the {done} finished job{'s' if done != 1 else ''} are in {out}"
+        resume = f"continue with: {self.resume_command}"
+        if isinstance(error, KeyboardInterrupt):  # a Ctrl-C outside the run's signal handling
+            error = Interrupted(signal.SIGINT)
+        if isinstance(error, Interrupted):
+            if error.checkpoint is not None:
+                state = f"the job's state is saved in {error.checkpoint}"
+            elif self.checkpoints:
+                state = f"the last checkpoints are in {out / 'checkpoints'}"
+            else:
+                state = ("no checkpoints were kept (--checkpoint-every), so --resume reuses the finished jobs and "
+                         "redoes the unfinished ones from their start")
+            return f"stopped by {error.name} {error.where or 'at once'}; {finished}; {state}; {resume}", \
+                error.exit_status, False
+        if isinstance(error, JobFailed):
+            return f"stopped at the first failed job (--fail-fast); {finished}; {resume}", 1, False
+        full = disk_full(error)
+        if full is not None:
+            kept = "the last checkpoint and " if self.checkpoints else ""
+            return (f"{full.filename or out}: no space left on device; {kept}the files written before are intact "
+                    f"(each is written whole or not at all); {finished}; free some space, then {resume}"), 1, True
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if collective_failure(error):
+            ranks = unresponsive_ranks()
+            wait = min(self.timeout, timedelta(minutes=1)).total_seconds()
+            who = (f"rank {', '.join(map(str, ranks))} did not answer within {wait:g} s: stalled or dead" if ranks
+                   else "another rank stopped answering (rank 0 names it)")
+            return f"a collective operation with the other ranks failed ({first}); {who}; {finished}; {resume}", 1, True
+        if not out.is_dir():
+            raise error  # nothing ran yet: a bug, with its traceback
+        return f"{type(error).__name__}: {first}; {finished}; {resume}", 1, True
 
 
 def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -296,6 +468,8 @@ def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"--pretrained {args.pretrained}: no such file")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: exists and is not a folder")
+    if not args.dist_timeout > 0:
+        parser.error(f"--dist-timeout must be a number of minutes > 0, got {args.dist_timeout:g}")
 
 
 def write_data(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

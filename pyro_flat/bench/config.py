@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .._validation import check_int, check_positive, check_real
+
+if TYPE_CHECKING:
+    import torch
 
 LATENT_CHOICES = ("all", "norm_and_head", "head")
 
@@ -119,6 +120,8 @@ class RunConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch  # here, not at the top: the command line reads presets without importing torch
+
         return getattr(torch, self.dtype)
 
     def replace(self, **changes: Any) -> RunConfig:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .files import atomic_save, load_checkpoint
-from .state import first_non_finite, get_state
+from .files import OutputFolderError, atomic_save, load_checkpoint
+from .state import first_degenerate, first_non_finite, get_state
 
 __all__ = ["RunContext", "RunningLoop", "check_fingerprint"]
 
@@ -34,7 +34,7 @@ def check_fingerprint(label: str, path: Path, theirs: Mapping | None, ours: Mapp
 
     :param label: the job, for the message.
     :param path: the file (checkpoint, phase, record) whose fingerprint is ``theirs``.
-    :raises ValueError: naming every key that differs, with both values.
+    :raises OutputFolderError: (a ``ValueError``) naming every key that differs, with both values.
     """
     theirs = {} if theirs is None else theirs
     if dict(theirs) == dict(ours):
@@ -45,7 +45,7 @@ def check_fingerprint(label: str, path: Path, theirs: Mapping | None, ours: Mapp
 
     changed = [f"{key} was {show(theirs, key)}, now {show(ours, key)}" for key in sorted(set(theirs) | set(ours))
                if key not in theirs or key not in ours or theirs[key] != ours[key]]
-    raise ValueError(
+    raise OutputFolderError(
         f"{label}: {path} belongs to another configuration ({'; '.join(changed)}); resume with the same "
         f"arguments, or use another output folder"
     )
@@ -78,6 +78,7 @@ class RunContext:
     entries: list[dict] = field(default_factory=list)
     num_saves: int = 0
     current: RunningLoop | None = None
+    evaluating: bool = False
     _phase: int = -1
     _saved: dict | None = None
 
@@ -147,21 +148,32 @@ class RunContext:
             atomic_save(snapshot, self.checkpoint_path)
 
     def diverged(self, error: Exception) -> str | None:
-        """Where the running loop diverged (phase, step and the first non-finite tensor of its state, if any), or
-        ``None`` if ``error`` is not a divergence: called when training raised a ``ValueError`` — Pyro's validation
-        rejects non-finite values (e.g. logits that overflowed) before any loss is seen."""
+        """Where the running loop diverged (phase, step and the first non-finite tensor of its state, or a constrained
+        parameter outside its support, such as a scale that underflowed to 0), or ``None`` if ``error`` is not a
+        divergence: called when training raised a ``ValueError`` — Pyro's validation rejects non-finite values (e.g.
+        logits that overflowed) or a zero scale before any loss is seen."""
         loop = self.current
         if loop is None:
             return None
         bad = first_non_finite({name: get_state(obj) for name, obj in loop.state.items()})
+        what = f"{bad} is NaN or infinite" if bad is not None else first_degenerate(loop.state)
         text = str(error)
-        if bad is None and not ("invalid values" in text and ("nan" in text or "inf" in text)):
-            return None
-        what = "non-finite values in the model" if bad is None else f"{bad} is NaN or infinite"
-        return f"{what} at step {loop.step} of {loop.num_steps} (phase {loop.phase})"
+        if what is None and "invalid values" in text and ("nan" in text or "inf" in text):
+            what = "non-finite values in the model"
+        return None if what is None else f"{what} at step {loop.step} of {loop.num_steps} (phase {loop.phase})"
+
+    def position(self) -> str:
+        """Where the job is, for a message: ``"at step 12 of 30 (phase 1)"``, ``"before training"`` or ``"while
+        evaluating"``."""
+        loop = self.current
+        if self.evaluating:
+            return "while evaluating"
+        if loop is None or loop.step < 0:
+            return "before training"
+        return f"at step {loop.step} of {loop.num_steps}" + (f" (phase {loop.phase})" if loop.phase else "")
 
     def last_good(self) -> str:
         """Where the last good checkpoint is (for error messages)."""
         if self.directory is None or self.num_saves == 0:
-            return "no checkpoint was written (checkpoints are off or none was due yet)"
+            return "no checkpoint was written"
         return f"the last good checkpoint is kept in {self.checkpoint_path}"

@@ -8,16 +8,20 @@ log.
   :func:`load_checkpoint` reads them back weights-only (a crafted file cannot run code) and refuses a damaged one,
   naming it;
 * **one writer per folder**: :func:`output_lock` holds an OS lock on the output folder for a run and removes the
-  temporary files of writes killed midway.
+  temporary files of writes killed midway;
+* **a full disk** is an ``OSError`` (``ENOSPC``) naming the file whose write failed, whatever raised it (``torch.save``
+  reports it as a ``RuntimeError`` of its zip writer, the real cause inside): :func:`disk_full` recognises it;
+* **the run's log** (:func:`append_log`): the tracebacks of failed jobs and faults, which the terminal does not show.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-import pickle
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,8 +35,10 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CheckpointError",
     "OutputFolderError",
+    "append_log",
     "atomic_save",
     "atomic_write_text",
+    "disk_full",
     "load_checkpoint",
     "metrics_log_writer",
     "output_lock",
@@ -44,8 +50,28 @@ TEMPORARY = re.compile(r"^\..+\.tmp\d+$")
 
 
 class OutputFolderError(ValueError):
-    """A run refused before it starts because of its output folder: another run is writing to it, or it holds
-    checkpoints that only ``--resume`` may continue."""
+    """A run refused because of its output folder: another run is writing to it, it holds checkpoints that only
+    ``--resume`` may continue, or what a resume would read there belongs to another configuration."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(error: BaseException) -> OSError | None:
+    """The ``OSError`` of a full disk (or quota) among ``error`` and the exceptions it was raised from, or
+    ``None``."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in NO_SPACE:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _no_space_in(path: Path, error: BaseException) -> OSError:
+    """The ``OSError`` to raise for a write of ``path`` that failed on a full disk."""
+    full = disk_full(error)
+    return OSError(full.errno, os.strerror(full.errno), str(path))
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
@@ -92,12 +118,14 @@ def output_lock(folder: Path) -> Iterator[None]:
         yield
     finally:
         if lock is not None:
+            (folder / ".lock").unlink(missing_ok=True)  # while it is held: no other run can be holding it
             lock.release()
 
 
 def _atomic_write(path: Path, write: Callable[[IO], object], mode: str) -> None:
     """``write(handle)`` to a temporary file in ``path``'s folder, flushed to disk, then ``os.replace`` d over
-    ``path``: a kill during the write leaves the previous file intact."""
+    ``path``: a kill during the write leaves the previous file intact. On a full disk it raises an ``OSError``
+    (``ENOSPC``) naming ``path``; the previous file is intact and the temporary file removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -106,6 +134,10 @@ def _atomic_write(path: Path, write: Callable[[IO], object], mode: str) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except Exception as error:
+        if disk_full(error) is None:
+            raise
+        raise _no_space_in(path, error) from error
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -116,7 +148,11 @@ CHECKPOINT_FORMAT = "pyro_flat checkpoint 1"
 
 class CheckpointError(ValueError):
     """A file of the harness that cannot be used — damaged, truncated, crafted, or not written by
-    :func:`atomic_save` — with a message naming it."""
+    :func:`atomic_save` — with a message naming it (:attr:`path`)."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
 
 
 def _checksum(obj: object) -> str:
@@ -159,29 +195,31 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Any
     """What :func:`atomic_save` wrote to ``path``, read with ``torch.load(weights_only=True)`` — a crafted file
     cannot run code — after checking its checksum.
 
-    :raises CheckpointError: naming the file, if it cannot be read (truncated, damaged), holds anything but tensors
-        and plain values (refused unread), is not a file of :func:`atomic_save`, or its content does not match its
-        checksum (a flipped bit).
+    :raises CheckpointError: naming the file, if it cannot be read (truncated, damaged, random bytes), holds anything
+        but tensors and plain values (refused unread), is not a file of :func:`atomic_save`, or its content does not
+        match its checksum (a flipped bit).
     """
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()[-1].strip()
-        raise CheckpointError(
-            f"{path}: refused: the file holds more than tensors and plain values, which torch.load(weights_only=True)"
-            f" does not run ({first}); it was not written by pyro_flat (crafted, or from another program)"
-        ) from error
     except FileNotFoundError:
         raise
-    except Exception as error:  # torch raises RuntimeError, EOFError, ... for a truncated or damaged archive
-        raise CheckpointError(f"{path}: cannot be read: truncated or damaged ({type(error).__name__}: "
-                              f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from error
+    except Exception as error:  # UnpicklingError, RuntimeError, EOFError, ...: a refused or damaged file
+        text = str(error).strip()
+        if re.search(r"Unsupported global|not an allowed global", text):  # a pickled function or class: refused
+            raise CheckpointError(
+                f"{path}: refused: the file holds more than tensors and plain values, which torch.load("
+                "weights_only=True) does not run; it was not written by pyro_flat (crafted, or from another "
+                "program)", path) from error
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)  # torch's reason, after a page of advice
+        detail = found.group(1).strip() if found else (text.splitlines()[0] if text else "")
+        raise CheckpointError(f"{path}: cannot be read: truncated or damaged ({type(error).__name__}: {detail})",
+                              path) from error
     if not (isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT and "content" in payload):
         raise CheckpointError(f"{path}: not a checkpoint of pyro_flat (expected format {CHECKPOINT_FORMAT!r}); "
-                              "it may come from an older version: rerun without --resume in a new output folder")
+                              "it may come from an older version", path)
     if _checksum(payload["content"]) != payload.get("sha256"):
         raise CheckpointError(f"{path}: damaged: its content does not match the checksum written with it (a "
-                              "flipped bit, a partial copy); restore the file or rerun without it")
+                              "flipped bit, a partial copy)", path)
     return payload["content"]
 
 
@@ -191,12 +229,33 @@ def atomic_write_text(path: Path, text: str) -> None:
     _atomic_write(path, lambda handle: handle.write(text), "w")
 
 
+def _append(path: Path, text: str) -> None:
+    try:
+        with open(path, "a") as handle:
+            handle.write(text)
+    except OSError as error:
+        if disk_full(error) is None:
+            raise
+        raise _no_space_in(path, error) from error
+
 
 def metrics_log_writer(path: Path) -> Callable[[dict], None]:
-    """A ``RunContext.log`` appending each entry to ``path`` as one JSON line."""
+    """A ``RunContext.log`` appending each entry to ``path`` as one JSON line (a full disk: an ``OSError`` naming
+    ``path``)."""
 
     def write(entry: dict) -> None:
-        with open(path, "a") as handle:
-            handle.write(json.dumps(entry) + "\n")
+        _append(path, json.dumps(entry) + "\n")
 
     return write
+
+
+def append_log(path: Path | None, text: str) -> bool:
+    """Append ``text`` to the run's log ``path`` (a plain text file) after a time stamp; returns whether it was written
+    (not if ``path`` is ``None``, nor on a full disk: the fault it would record is then reported on its own)."""
+    if path is None:
+        return False
+    try:
+        _append(Path(path), f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {text.rstrip()}\n")
+    except OSError:
+        return False
+    return True

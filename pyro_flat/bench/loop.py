@@ -15,9 +15,14 @@ yielding ``(step, (args, kwargs))`` — the model's arguments for that step — 
   loop restores the last checkpoint and continues from its step. Code between loops therefore sees exactly the
   random numbers it saw the first time, and the run ends bit for bit where an uninterrupted one ends (on CPU;
   GPU kernels may not be deterministic).
-* **divergence**: a non-finite loss raises a ``FloatingPointError`` naming the step; a checkpoint is written only
+* **divergence**: a non-finite loss, or a degenerate posterior (a non-finite weight, or a constrained parameter
+  outside its support: a guide's scale that underflowed to 0), raises a ``FloatingPointError`` naming the step; both
+  are checked every ``log_every`` steps with the one host read that logs the loss. A checkpoint is written only
   after checking that every floating tensor in it is finite, so the last good checkpoint is never overwritten by a
   diverged state (the error names it).
+* **signals**: within :func:`~pyro_flat.bench.signals.stop_on_signals`, a SIGINT or SIGTERM stops the loop before
+  its next step (:class:`~pyro_flat.bench.signals.Interrupted`), after writing a checkpoint there when the job keeps
+  checkpoints.
 * **progress and logs**: a tqdm bar per loop (rate and ETA) and one JSON line per epoch (mean loss, steps, time).
 
 The loop knows nothing of the problem it trains on: it is given a stream factory, its number of steps, the steps
@@ -48,7 +53,8 @@ from .files import (
     output_lock,
     remove_stale_temporaries,
 )
-from .state import Holder, get_state, move_tensors, random_state, set_random_state, set_state
+from .signals import Interrupted, should_stop
+from .state import Holder, first_degenerate, get_state, healthy, move_tensors, random_state, set_random_state, set_state
 from .streams import Batch, LoaderStream, TensorStream, stream_seed
 
 __all__ = [
@@ -157,19 +163,24 @@ class TrainingLoop:
 
     def record(self, loss: float | Tensor) -> None:
         """Record this step's loss: a Python number is checked at once, a tensor (no host read) every ``log_every``
-        steps and at the end of an epoch; a NaN or an infinity raises ``FloatingPointError`` naming the step."""
+        steps and at the end of an epoch. Every ``log_every`` steps the state is checked too
+        (:func:`~pyro_flat.bench.state.healthy`), in the same host read as the loss. A NaN or an infinity, or a
+        degenerate state, raises ``FloatingPointError`` naming the step."""
         self._epoch_sum = self._epoch_sum + (loss.detach() if isinstance(loss, Tensor) else loss)
         self._epoch_count += 1
         step, last = self.step, self.num_steps - 1
-        if isinstance(loss, Tensor) and not (step % self.log_every == 0 or step == last):
+        logged = step % self.log_every == 0 or step == last
+        if isinstance(loss, Tensor) and not logged:
             return
-        value = float(loss)
+        ok = healthy(self.state) if logged else None
+        checked = loss if ok is None else torch.where(ok, torch.as_tensor(loss, device=ok.device), math.nan)
+        where = f"at step {step} of {self.num_steps}" + (f" (phase {self.phase})" if self.phase else "")
+        value = float(checked)  # one host read for the loss and the state
         if not math.isfinite(value):
-            raise FloatingPointError(
-                f"{self.context.label}: the loss became {value} at step {step} of {self.num_steps}"
-                + (f" (phase {self.phase})" if self.phase else "")
-            )
-        if step % self.log_every == 0 or step == last:
+            value = float(loss)
+            what = f"the loss became {value}" if not math.isfinite(value) else first_degenerate(self.state)
+            raise FloatingPointError(f"{self.context.label}: {what} {where}")
+        if logged:
             self.history.append(value)
 
     def _end_epoch(self, step: int) -> None:
@@ -184,6 +195,15 @@ class TrainingLoop:
         if ctx.log is not None and ctx.is_writer:
             ctx.log(entry)
         self._epoch_sum, self._epoch_count, self._epoch_start = 0.0, 0, time.perf_counter()
+
+    def _stop(self, signum: int, step: int) -> None:
+        """End the run before ``step`` for a signal, saving a checkpoint there when the job keeps them."""
+        ctx = self.context
+        checkpoint = None
+        if ctx.directory is not None:
+            ctx.save(self._snapshot(step), complete=False)
+            checkpoint = ctx.checkpoint_path
+        raise Interrupted(signum, f"in {ctx.label} before step {step} of {self.num_steps}", checkpoint)
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
         ctx = self.context
@@ -201,6 +221,9 @@ class TrainingLoop:
                    desc=f"{ctx.label} {self.name}".strip(), unit="step", dynamic_ncols=True)
         try:
             for step in range(start, self.num_steps):
+                signum = should_stop(step, self.log_every)
+                if signum is not None:
+                    self._stop(signum, step)
                 if step > start and ctx.every and step % ctx.every == 0:
                     ctx.save(self._snapshot(step), complete=False)
                 self.step = step

@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from .files import atomic_write_text, output_lock
 from .options import check_option_values
 from .registry import check_method_options
 from .report import summarise
-from .session import init_distributed, run_and_report, shutdown_distributed
+from .session import DEFAULT_TIMEOUT, init_distributed, run_and_report, shutdown_distributed
 
 __all__ = ["RECIPES", "PaperRow", "Recipe", "Stage", "run_recipe"]
 
@@ -425,8 +426,12 @@ def run_recipe(
     resume: bool = False,
     progress: bool = True,
     figures: bool = True,
-) -> None:
-    """Run every stage of recipe ``name`` (the ``recipe`` command) and write ``OUT/table.md`` and ``OUT/recipe.json``.
+    fail_fast: bool = False,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> int:
+    """Run every stage of recipe ``name`` (the ``recipe`` command) and write ``OUT/table.md`` and ``OUT/recipe.json``;
+    returns the number of jobs that failed (each stage's other jobs run, see
+    :func:`~pyro_flat.bench.session.run_and_report`).
 
     :param preset: ``"paper"`` (the paper's budget) or ``"smoke"`` (tiny networks, a few steps).
     :param out: the output folder (each stage's outputs in ``out/<stage>/``).
@@ -438,6 +443,9 @@ def run_recipe(
     :param resume: as :func:`~pyro_flat.bench.session.run_and_report`, per stage.
     :param progress: show progress bars.
     :param figures: as :func:`~pyro_flat.bench.session.run_and_report`, per stage.
+    :param fail_fast: stop at the first failed job.
+    :param timeout: of every collective operation under ``torchrun``
+        (:func:`~pyro_flat.bench.session.init_distributed`).
     :raises ValueError: as :func:`check_recipe`, before the first stage starts.
     """
     recipe = RECIPES[name]
@@ -447,16 +455,18 @@ def run_recipe(
     setups = check_recipe(recipe, preset, changes, options, out)
     summaries: dict[str, list[dict]] = {}
     configs: dict[str, RunConfig] = {}
+    failed = 0
     try:
-        setups = [(init_distributed(config), methods) for config, methods in setups]
+        setups = [(init_distributed(config, timeout), methods) for config, methods in setups]
         with output_lock(out):  # one run at a time writes to `out` (and its stages' folders)
             for stage, (config, methods) in zip(recipe.stages, setups, strict=True):
                 configs[stage.name] = config
                 records = run_and_report(stage.datasets, methods, seeds, config, out / stage.name,
                                          command=f"{command}  [stage {stage.name}]",
                                          checkpoint_every=checkpoint_every, resume=resume, progress=progress,
-                                         figures=figures)
+                                         figures=figures, fail_fast=fail_fast)
                 summaries[stage.name] = summarise(records) if records else []
+                failed += sum(r.error is not None for r in records)
             if world()[0] == 0:
                 table = recipe_table(recipe, summaries, configs)
                 print(table)
@@ -466,6 +476,7 @@ def run_recipe(
                      "paper": [vars(p) for p in recipe.paper], "ours": summaries}, indent=1))
     finally:
         shutdown_distributed()
+    return failed
 
 
 def check_recipe(

@@ -41,6 +41,9 @@ class MethodSpec:
     :param reference: the paper the method comes from.
     :param options: the per-method hyperparameters ``fit`` reads with :meth:`~pyro_flat.bench.problem.Problem.option`
         (``--set NAME.KEY=VALUE``); any other key is refused before a run starts.
+    :param check: ``check(problem)`` raises a ``ValueError`` (naming the flags to change) for a configuration ``fit``
+        is bound to fail on, without training: called for every job before the first starts
+        (:func:`~pyro_flat.bench.runner.check_jobs`; ``problem.data`` is on the CPU, its context does nothing).
     """
 
     name: str
@@ -49,6 +52,7 @@ class MethodSpec:
     baseline: str | None = None
     reference: str = ""
     options: tuple[str, ...] = ()
+    check: Callable | None = None
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -80,14 +84,16 @@ def load_data(name: str, config: RunConfig) -> ClassificationData:
 
 
 def register_method(
-    name: str, *, description: str, baseline: str | None = None, reference: str = "", options: tuple[str, ...] = ()
+    name: str, *, description: str, baseline: str | None = None, reference: str = "", options: tuple[str, ...] = (),
+    check: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
-    """Decorator registering ``fit(problem) -> Posterior`` under ``name``, with the option keys it reads."""
+    """Decorator registering ``fit(problem) -> Posterior`` under ``name``, with the option keys it reads and the check
+    of a configuration it would fail on (:class:`MethodSpec`)."""
 
     def decorator(fit: Callable) -> Callable:
         if name in METHODS:
             raise ValueError(f"method {name!r} is already registered")
-        METHODS[name] = MethodSpec(name, fit, description, baseline, reference, tuple(options))
+        METHODS[name] = MethodSpec(name, fit, description, baseline, reference, tuple(options), check)
         return fit
 
     return decorator

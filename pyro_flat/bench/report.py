@@ -38,14 +38,17 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """One row per (dataset, method): mean and sample standard deviation over seeds of every metric."""
+    """One row per (dataset, method): mean and sample standard deviation over the seeds that finished of every
+    metric; ``failed`` lists the seeds whose job failed (a row with no metric when every seed failed)."""
     groups: dict[tuple[str, str], list[RunRecord]] = {}
     for r in records:
         groups.setdefault((r.dataset, r.method), []).append(r)
     rows = []
-    for (dataset, method), rs in groups.items():
-        row: dict[str, Any] = {"dataset": dataset, "method": method, "seeds": [r.seed for r in rs]}
-        keys = list(rs[0].metrics) + ["fit_seconds"]
+    for (dataset, method), group in groups.items():
+        rs = [r for r in group if r.error is None]
+        row: dict[str, Any] = {"dataset": dataset, "method": method, "seeds": [r.seed for r in rs],
+                               "failed": [r.seed for r in group if r.error is not None]}
+        keys = list(rs[0].metrics) + ["fit_seconds"] if rs else []
         for key in keys:
             values = [r.fit_seconds if key == "fit_seconds" else r.metrics[key] for r in rs]
             if key == "acc":
@@ -56,15 +59,18 @@ def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 
 def markdown_table(records: Sequence[RunRecord]) -> str:
-    """A markdown table, one block per dataset; std over seeds after ±."""
-    return summary_table(summarise(records))
+    """A markdown table, one block per dataset; std over seeds after ±; a failed job is marked in its method's cell
+    and its reason listed under the table."""
+    table = summary_table(summarise(records))
+    failed = [r.error for r in records if r.error is not None]
+    return table + "".join(f"\n* {reason}" for reason in failed) + ("\n" if failed else "")
 
 
 def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     """The markdown table of :func:`summarise`'s rows (or the ``summary`` of a ``results.json``)."""
     lines = []
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
-        seeds = next(r["seeds"] for r in rows if r["dataset"] == dataset)
+        seeds = sorted({s for r in rows if r["dataset"] == dataset for s in r["seeds"] + r.get("failed", [])})
         lines.append(f"**{dataset}** ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}: {seeds})\n")
         lines.append("| method | " + " | ".join(h for _, h, _ in COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
@@ -76,13 +82,18 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
                     continue
                 mean, std = row[key]
                 cells.append(fmt.format(mean) + ("" if math.isnan(std) else " ± " + fmt.format(std)))
-            lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+            failed = row.get("failed", [])
+            mark = "" if not failed else (" (failed)" if not row["seeds"] else
+                                          f" (seed{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+                                          "failed)")
+            lines.append(f"| {row['method']}{mark} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
 
 def record_dict(r: RunRecord) -> dict[str, Any]:
-    """One seed's record as JSON: dataset, method, seed, fit time, metrics, training losses and per-epoch entries."""
+    """One seed's record as JSON: dataset, method, seed, fit time, metrics, training losses and per-epoch entries,
+    and for a failed job why (``error``)."""
     return {
         "dataset": r.dataset,
         "method": r.method,
@@ -91,7 +102,7 @@ def record_dict(r: RunRecord) -> dict[str, Any]:
         "metrics": r.metrics,
         "losses": r.info.get("losses", []),
         "epochs": r.entries,
-    }
+    } | ({} if r.error is None else {"error": r.error})
 
 
 def write_json(path: Path, records: Sequence[RunRecord], config: RunConfig, command: str) -> None:

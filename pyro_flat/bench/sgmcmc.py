@@ -87,13 +87,7 @@ def run_sgmcmc(
         :class:`~pyro_flat.infer.mcmc.DrawBuffer` (one copy per draw; in files under the run's checkpoint folder when
         it has one, so that a checkpoint holds only their number).
     """
-    if problem.distributed:
-        raise ValueError("the SG-MCMC methods run in one process: their kernels do not all-reduce gradients "
-                         "(run them without torchrun)")
-    if any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the network has learned (non-latent) weights, which an MCMC kernel does not train: with "
-                         "latent='norm_and_head' or 'head' from scratch they would stay at their initialisation. Use "
-                         "latent='all', or a pretrained network whose other weights are frozen")
+    _check_one_chain(problem, model)
     draw_steps = _draw_steps(kernel, num_samples, warmup_steps)
     num_steps = draw_steps[-1] + 1
     args, kwargs = problem.setup_args()
@@ -116,6 +110,62 @@ def run_sgmcmc(
     kernel.diagnostics()  # raises if the chain diverged since the last check
     kernel.cleanup()
     return {name: value.to(problem.data.device) for name, value in draws.samples().items()}
+
+
+def _check_one_chain(problem: Problem, model: nn.Module) -> None:
+    """Refuse what a chain of :func:`run_sgmcmc` cannot run: data parallelism, a network with learned weights."""
+    if problem.distributed:
+        raise ValueError("the SG-MCMC methods run in one process: their kernels do not all-reduce gradients "
+                         "(run them without torchrun)")
+    if any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the network has learned (non-latent) weights, which an MCMC kernel does not train: with "
+                         "latent='norm_and_head' or 'head' from scratch they would stay at their initialisation. Use "
+                         "latent='all', or a pretrained network whose other weights are frozen")
+
+
+def _csgld_schedule(problem: Problem) -> CyclicalStepSize:
+    """``csgld``'s cyclical cosine step size: ``ceil(S / cycles)`` draws at the end of each of ``cycles`` cycles."""
+    cycles = int(problem.option("csgld", "cycles", 4))
+    return CyclicalStepSize(
+        problem.full_data_lr(float(problem.option("csgld", "lr", 0.3))),
+        problem.num_steps // cycles,
+        exploration_fraction=float(problem.option("csgld", "exploration", 0.8)),
+        samples_per_cycle=math.ceil(problem.config.num_bma_samples / cycles),
+    )
+
+
+def _emcmc_kept(problem: Problem) -> int:
+    """The draws ``emcmc`` keeps: half of the BMA's of each network with ``collect="both"``."""
+    draws = problem.config.num_bma_samples
+    return math.ceil(draws / 2) if problem.option("emcmc", "collect", "both") == "both" else draws
+
+
+def _emcmc_schedule(problem: Problem) -> CyclicalStepSize | None:
+    """``emcmc``'s cyclical cosine step size with ``cycles`` (the authors' CIFAR schedule), else ``None``."""
+    cycles = problem.option("emcmc", "cycles", None)
+    if cycles is None:
+        return None
+    return CyclicalStepSize(problem.full_data_lr(float(problem.option("emcmc", "lr", 0.3))),
+                            problem.num_steps // int(cycles),
+                            exploration_fraction=float(problem.option("emcmc", "exploration", 0.0)),
+                            samples_per_cycle=math.ceil(_emcmc_kept(problem) / int(cycles)))
+
+
+def _check(problem: Problem, method: str) -> None:
+    """The up-front check of an SG-MCMC method (:class:`~pyro_flat.bench.registry.MethodSpec`): what
+    :func:`run_sgmcmc` refuses, and a cyclical step size whose cycles cannot hold their draws."""
+    try:
+        _check_one_chain(problem, problem.build_model())
+    except ValueError as error:
+        raise ValueError(f"{method}: {error}") from None
+    try:
+        if method == "csgld":
+            _csgld_schedule(problem)
+        elif method == "emcmc":
+            _emcmc_schedule(problem)
+    except ValueError as error:
+        raise ValueError(f"{method}: {error} with {problem.num_steps} steps; run more steps (--epochs, a smaller "
+                         f"--batch-size) or fewer cycles (--set {method}.cycles=K)") from None
 
 
 def _draw_steps(kernel: StochasticGradientKernel, num_samples: int, warmup_steps: int) -> list[int]:
@@ -168,6 +218,7 @@ def _constant_sgld(problem: Problem, method: str, rho: float | None) -> Posterio
     description="SGLD (Welling & Teh 2011) through pyro.infer.MCMC, constant step, cold posterior",
     reference="Welling & Teh, Bayesian Learning via Stochastic Gradient Langevin Dynamics (ICML 2011)",
     options=("lr", "temperature", "burn_in"),
+    check=_check,
 )
 def fit_sgld(problem: Problem) -> Posterior:
     return _constant_sgld(problem, "sgld", None)
@@ -179,6 +230,7 @@ def fit_sgld(problem: Problem) -> Posterior:
     baseline="sgld",
     reference="Nguyen et al., Flat Seeking Bayesian Neural Networks (NeurIPS 2023), arXiv:2302.02713",
     options=("rho", "lr", "temperature", "burn_in", "looksam_k", "looksam_alpha", "rst_p"),
+    check=_check,
 )
 def fit_f_sgld(problem: Problem) -> Posterior:
     return _constant_sgld(problem, "f_sgld", float(problem.option("f_sgld", "rho", 0.05)))
@@ -191,24 +243,19 @@ def fit_f_sgld(problem: Problem) -> Posterior:
     reference="Zhang et al., Cyclical Stochastic Gradient MCMC for Bayesian Deep Learning (ICLR 2020), "
     "arXiv:1902.03932",
     options=("lr", "cycles", "exploration", "temperature"),
+    check=_check,
 )
 def fit_csgld(problem: Problem) -> Posterior:
     model = problem.build_model()
-    lr = float(problem.option("csgld", "lr", 0.3))
     cycles = int(problem.option("csgld", "cycles", 4))
     draws = problem.config.num_bma_samples
     per_cycle = math.ceil(draws / cycles)
-    cycle_length = problem.num_steps // cycles
-    schedule = CyclicalStepSize(
-        problem.full_data_lr(lr),
-        cycle_length,
-        exploration_fraction=float(problem.option("csgld", "exploration", 0.8)),
-        samples_per_cycle=per_cycle,
-    )
+    schedule = _csgld_schedule(problem)
     kernel = SGLD(model, step_size=schedule, temperature=float(problem.option("csgld", "temperature", 0.1)),
                   init_strategy=init_to_network(model), jit_compile=problem.config.compile)
     samples = run_sgmcmc(problem, kernel, cycles * per_cycle, 0, model=model)
-    return Posterior.from_samples(model, samples, draws, info={"cycle_length": cycle_length, "cycles": cycles})
+    return Posterior.from_samples(model, samples, draws, info={"cycle_length": schedule.cycle_length,
+                                                               "cycles": cycles})
 
 
 @register_method(
@@ -217,24 +264,22 @@ def fit_csgld(problem: Problem) -> Posterior:
     baseline="sgld",
     reference=REFERENCE_EMCMC,
     options=("lr", "eta", "temperature", "collect", "anchor_prior_scale", "cycles", "exploration", "burn_in"),
+    check=_check,
 )
 def fit_emcmc(problem: Problem) -> Posterior:
     model = problem.build_model()
     lr = float(problem.option("emcmc", "lr", 0.3))
     collect = problem.option("emcmc", "collect", "both")
     draws = problem.config.num_bma_samples
-    kept = math.ceil(draws / 2) if collect == "both" else draws
-    cycles = problem.option("emcmc", "cycles", None)
-    if cycles is None:  # constant step size, sgld's plan
+    kept = _emcmc_kept(problem)
+    schedule = _emcmc_schedule(problem)
+    if schedule is None:  # constant step size, sgld's plan
         warmup, thinning = _constant_plan(problem, "emcmc", kept)
         step_size, info = problem.full_data_lr(lr), {"warmup_steps": warmup, "thinning": thinning}
     else:  # the authors' CIFAR schedule: cyclical cosine, draws at the end of every cycle
-        per_cycle = math.ceil(kept / int(cycles))
-        step_size = CyclicalStepSize(problem.full_data_lr(lr), problem.num_steps // int(cycles),
-                                     exploration_fraction=float(problem.option("emcmc", "exploration", 0.0)),
-                                     samples_per_cycle=per_cycle)
-        warmup, thinning, kept = 0, 1, per_cycle * int(cycles)
-        info = {"cycle_length": problem.num_steps // int(cycles), "cycles": int(cycles)}
+        cycles = int(problem.option("emcmc", "cycles", None))
+        step_size, warmup, thinning, kept = schedule, 0, 1, schedule.samples_per_cycle * cycles
+        info = {"cycle_length": schedule.cycle_length, "cycles": cycles}
     kernel = EntropyMCMC(
         model,
         eta=float(problem.option("emcmc", "eta", 0.01)),

@@ -1,6 +1,7 @@
 """The state of what a harness loop looks after: reading and restoring each object's state, the random states, moving
-a checkpoint's tensors to the run's device, finding a non-finite tensor, and the holder of a value a loop checkpoints
-(:class:`Holder`; the SG-MCMC draws go to a :class:`~pyro_flat.infer.mcmc.DrawBuffer`)."""
+a checkpoint's tensors to the run's device, finding a non-finite tensor or a degenerate posterior (:func:`healthy`,
+:func:`first_degenerate`), and the holder of a value a loop checkpoints (:class:`Holder`; the SG-MCMC draws go to a
+:class:`~pyro_flat.infer.mcmc.DrawBuffer`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import Iterator, Mapping
 import pyro
 import pyro.optim
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributions import constraints
 
 from .._internals import optimizer_states_not_consumed
 from .._validation import all_true
@@ -17,8 +19,10 @@ from ..runtime.rng import random_state, set_random_state  # the harness's random
 
 __all__ = [
     "Holder",
+    "first_degenerate",
     "first_non_finite",
     "get_state",
+    "healthy",
     "move_tensors",
     "random_state",
     "set_random_state",
@@ -77,6 +81,50 @@ def first_non_finite(state: Mapping) -> str | None:
     if all_true(flags):
         return None
     return next(name for (name, _), ok in zip(tensors, flags, strict=True) if not bool(ok))
+
+
+def _checked_tensors(objects: Mapping[str, object]) -> Iterator[tuple[str, Tensor, object]]:
+    """``(name, tensor, constraint)`` for every floating parameter of the modules among ``objects`` (constraint
+    ``None``: only finiteness is checked) and every constrained Pyro parameter (``PyroParam``) as its constrained
+    value, which must lie in its constraint's support: a guide's scale that underflowed to 0 is finite, yet no
+    posterior."""
+    for key, obj in objects.items():
+        if not isinstance(obj, nn.Module):
+            continue
+        for name, param in obj.named_parameters():
+            if param.is_floating_point():
+                yield f"{key}.{name}", param, None
+        for prefix, module in obj.named_modules():
+            for name, (constraint, _) in getattr(module, "_pyro_params", {}).items():
+                if constraint is not constraints.real:
+                    yield ".".join(filter(None, (key, prefix, name))), getattr(module, name), constraint
+
+
+def _ok(tensor: Tensor, constraint: object) -> Tensor:
+    ok = tensor.isfinite().all()
+    return ok if constraint is None else ok & constraint.check(tensor).all()
+
+
+@torch.no_grad()
+def healthy(objects: Mapping[str, object]) -> Tensor | None:
+    """A 0-d boolean tensor, on the device, true when every tensor :func:`_checked_tensors` finds in the modules among
+    ``objects`` is finite and every constrained Pyro parameter lies in its support (no host read: combine it with a
+    value read anyway); ``None`` if there is nothing to check."""
+    flags = [_ok(t, c) for _, t, c in _checked_tensors(objects)]
+    return torch.stack([f.to(flags[0].device) for f in flags]).all() if flags else None
+
+
+@torch.no_grad()
+def first_degenerate(objects: Mapping[str, object]) -> str | None:
+    """What :func:`healthy` found wrong first (``"guide.scales.x is 0 at its smallest, outside the support of
+    softplus_positive"``), or ``None`` (a host read per tensor: for the message after a failed check)."""
+    for name, tensor, constraint in _checked_tensors(objects):
+        if not bool(_ok(tensor, constraint)):
+            if not bool(tensor.isfinite().all()):
+                return f"{name} is NaN or infinite"
+            low, high = tensor.min().item(), tensor.max().item()
+            return f"{name} left the support of its constraint {constraint} (its values span [{low:g}, {high:g}])"
+    return None
 
 
 class Holder:

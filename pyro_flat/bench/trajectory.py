@@ -87,6 +87,27 @@ def _swa_start(problem: Problem, method: str) -> int:
     return start
 
 
+def _check_snapshots(problem: Problem, method: str) -> None:
+    """Refuse, before training, a SWAG schedule that collects fewer than the 2 snapshots (deviation columns) its
+    low-rank term needs: one per epoch from ``swa_start``, at most ``max_rank`` kept."""
+    epochs = problem.config.num_epochs
+    given = problem.option(method, "swa_start", None)
+    start = _swa_start(problem, method)
+    max_rank = problem.option(method, "max_rank", 20)
+    diagonal = f"{method}_diag (the diagonal alone)"
+    if max_rank < 2:
+        raise ValueError(f"{method}: --set {method}.max_rank={max_rank} keeps fewer than the 2 deviation columns its "
+                         f"low-rank term needs; use max_rank >= 2, or {diagonal}")
+    collected = epochs - start
+    if collected < 2:
+        fixes = [f"--epochs {start + 2 if given is not None else 3} or more"]
+        if epochs >= 2:
+            fixes.append(f"--set {method}.swa_start={epochs - 2}")
+        raise ValueError(f"{method}: its low-rank term needs 2 snapshots, and this run collects {collected} (one per "
+                         f"epoch from swa_start={start} to --epochs {epochs}); use {' or '.join(fixes)}, or "
+                         f"{diagonal}")
+
+
 def _delta_guide(problem: Problem, model: BayesianClassifier) -> AutoDelta:
     guide = AutoDelta(model, init_loc_fn=init_to_network(model))
     guide(problem.data.x_train[:2], problem.data.y_train[:2])  # create the parameters
@@ -257,7 +278,7 @@ def _register_swag(name: str, kind: str, source: str, baseline: str, description
         ("rho", "m_sharpness", *CHEAPER_STEPS) if source == "sam" else ())
 
     @register_method(name, description=description, baseline=baseline, reference=_FBNN if source == "sam" else _SWAG,
-                     options=options)
+                     options=options, check=_check_snapshots if kind == "swag" else None)
     def fit(problem: Problem) -> Posterior:
         if source == "sam":
             model, _, collector, history = _sam_trajectory(problem, name)

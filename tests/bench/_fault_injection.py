@@ -4,6 +4,10 @@
 * ``kill-write K``: SIGKILL itself in the middle of its K-th ``torch.save`` (a checkpoint, draw or record file),
   after half of the file's bytes are written and flushed;
 * ``hold-step K``: at the K-th step, create ``HOLD_FILE`` (an environment variable) and wait there until killed;
+* ``sigint-step K`` / ``sigterm-step K``: send itself SIGINT / SIGTERM at the K-th step, then go on (the harness stops
+  at the next step boundary);
+* ``stall-step K``: rank 1 of a data-parallel run writes its process id to ``HOLD_FILE`` and stops itself (SIGSTOP)
+  at the K-th step, as a hung rank would;
 * ``none``: no fault.
 """
 
@@ -62,10 +66,21 @@ def _kill_in_write(k: int) -> None:
     torch.save = save
 
 
+def _stall() -> None:
+    if os.environ.get("RANK") == "1":
+        Path(os.environ["HOLD_FILE"]).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 if __name__ == "__main__":
     fault, k, argv = sys.argv[1], int(sys.argv[2]), sys.argv[sys.argv.index("--") + 1 :]
     if fault == "kill-step":
         _at_step(k, _die)
+    elif fault in ("sigint-step", "sigterm-step"):
+        signum = signal.SIGINT if fault == "sigint-step" else signal.SIGTERM
+        _at_step(k, lambda: os.kill(os.getpid(), signum))
+    elif fault == "stall-step":
+        _at_step(k, _stall)
     elif fault == "hold-step":
         _at_step(k, _hold)
     elif fault == "kill-write":

@@ -121,18 +121,19 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert (out / "curves_digits.png").stat().st_size > 1000
     assert (out / "flat_vs_base_digits.png").stat().st_size > 1000  # sam against its base, map
     assert "| map |" in (out / "table.md").read_text()
-    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, "
+    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, run.log, "
                                             "reliability_digits.png, curves_digits.png, flat_vs_base_digits.png\n")
+    assert not (out / ".lock").exists()  # the folder's lock is removed at the end of the run
     # the same folder, a run with no flat-vs-base pair and no logged loss: says only what it wrote, and no figure of
     # the first run stays behind
     assert main(["bench", "--methods", "sgld", "--epochs", "1", "--out", str(out), "--no-progress"]) == 0
-    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, "
+    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, run.log, "
                                             "reliability_digits.png\n")
     assert not (out / "flat_vs_base_digits.png").exists() and not (out / "curves_digits.png").exists()
     # --no-figures: the table, JSON and log, and no figure of the earlier run stays behind
     assert main(["bench", "--methods", "sgld", "--epochs", "1", "--out", str(out), "--no-progress",
                  "--no-figures"]) == 0
-    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl\n")
+    assert capsys.readouterr().out.endswith(f"wrote {out}/: table.md, results.json, metrics.jsonl, run.log\n")
     assert not list(out.glob("*.png"))
 
 
@@ -151,7 +152,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     (["bench", "--set", "emcmc.collect=all"], "emcmc.collect must be 'theta', 'anchor' or 'both', got 'all'"),
     (["bench", "--set", "swag.max_rank=2.5"], "swag.max_rank must be an int >= 1, got 2.5"),
     (["bench", "--set", "f_vi.adaptive=1"], "f_vi.adaptive must be True or False, got 1"),
-    (["bench", "--epochs", "0"], "num_epochs"),
+    (["bench", "--epochs", "0"], "--epochs must be an int >= 1, got 0"),
     (["recipe", "bsam-cifar10", "--out", "x"], "pass --data-root DIR"),
     (["data", "synthetic-cifar", "x", "--num-train", "0"], "--num-train must be >= 1"),
     (["data", "imagenet"], "invalid choice: 'imagenet'"),
@@ -223,6 +224,67 @@ def test_cli_help_is_plain_text_and_explains_every_preset(capsys):
     for name, config in PRESETS.items():
         assert f"  {name}  " in text
         assert f"{config.num_epochs} epochs, {config.num_bma_samples} posterior draws" in text
+    # the epilog said the flags "below" override a preset; they are above it
+    assert text.rstrip().endswith("The flags above (--epochs, --model, --lr, --set, ...) override a preset.")
+    assert max(text.index(f"\n  {flag} ") for flag in ("--epochs", "--model", "--lr", "--set")) < text.index("presets:")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "-1"], "--epochs must be an int >= 1, got -1"),
+    (["--lr", "-0.5"], "--lr must be a finite number > 0, got -0.5"),
+    (["--bma-samples", "0"], "--bma-samples must be an int >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be an int >= 1, got 0"),
+])
+def test_cli_errors_name_the_flag_that_was_typed(argv, message, capsys):
+    """``--epochs -1`` said ``RunConfig: `num_epochs` must be ...``: a name the user never typed."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "RunConfig" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, nearest", [
+    (["bench", "--method", "map"], "--methods"),
+    (["bench", "--epoch", "3"], "--epochs"),
+    (["bench", "--dataset", "digits"], "--datasets"),
+    (["recipe", "bsam-cifar10", "--out", "x", "--seed", "2"], "--seeds"),
+])
+def test_cli_refuses_abbreviated_flags_and_suggests_the_nearest(argv, nearest, tmp_path, monkeypatch, capsys):
+    """argparse accepted ``--method`` for ``--methods`` and ``--epoch`` for ``--epochs`` silently (a later flag that
+    shared the prefix would have changed their meaning)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--lr", "-1"])  # (an abbreviation taken silently would meet this error, not train)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized argument {argv[-2]} (did you mean {nearest}?)" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_help_and_argument_errors_do_not_import_torch():
+    """``python -m pyro_flat --help`` imported torch and Pyro (3.5 s of CPU) to print its help; help and the errors
+    found in the arguments now come back before either is imported (the time itself is measured in the report, not
+    here: the test checks what is imported)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys
+from pyro_flat.bench.cli import main
+for argv in (["--help"], ["bench", "--help"], ["recipe", "--help"], ["--version"], ["bench", "--methodz", "map"],
+             ["bench", "--epochs", "-1"], ["bench", "--preset", "huge"], ["bench", "--seeds", "0"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print(sorted(m for m in ("torch", "pyro", "numpy", "matplotlib") if m in sys.modules))
+"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr[-2000:]
 
 
 def _record(method, seed, acc):

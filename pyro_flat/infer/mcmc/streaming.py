@@ -34,6 +34,7 @@ cyclical schedule's collection step.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -286,15 +287,33 @@ class DrawBuffer:
         return buffer
 
 
+def _preallocate(path: Path, num_bytes: int) -> None:
+    """Give the file ``path`` (created if missing) ``num_bytes`` bytes of disk now (``posix_fallocate``, or zeros
+    written where it is missing), so that a full disk is an ``OSError`` here: a memory-mapped file left sparse gets
+    its blocks only when a row is written, and a full disk then kills the process with SIGBUS."""
+    with open(path, "ab") as handle:
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(handle.fileno(), 0, num_bytes)
+            else:
+                handle.write(bytes(max(0, num_bytes - handle.tell())))
+                handle.flush()
+        except OSError as error:
+            raise OSError(error.errno, os.strerror(error.errno), str(path)) from error
+
+
 def _map_files(directory: Path, meta: Mapping, *, shared: bool) -> dict[str, Tensor]:
-    """The site tensors of ``draws.json``'s description, mapped from their files (created when ``shared``)."""
+    """The site tensors of ``draws.json``'s description, mapped from their files (created and given their disk
+    space when ``shared``: :func:`_preallocate`)."""
     buffers = {}
     for site in meta["sites"]:
         shape = (meta["num_draws"], *site["shape"])
         size = 1
         for n in shape:
             size *= n
-        flat = torch.from_file(str(directory / site["file"]), shared=shared, size=size,
-                               dtype=getattr(torch, site["dtype"]))
+        dtype = getattr(torch, site["dtype"])
+        if shared:
+            _preallocate(directory / site["file"], size * dtype.itemsize)
+        flat = torch.from_file(str(directory / site["file"]), shared=shared, size=size, dtype=dtype)
         buffers[site["name"]] = flat.view(shape)
     return buffers
