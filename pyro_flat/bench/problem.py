@@ -120,9 +120,15 @@ class Problem:
         return self.config.num_epochs * self.steps_per_epoch
 
     def build_model(self, *, dropout: float = 0.0) -> BayesianClassifier:
-        """A fresh model of the run's architecture on the run's device and dtype (memory format, autocast)."""
+        """A fresh model of the run's architecture on the run's device and dtype (memory format, autocast), initialised
+        in the run's dtype whatever torch's default dtype is (so a run is a function of its configuration)."""
         build = lookup(MODELS, "model", self.config.model)
-        model = build(self.data, self.config, dropout=dropout)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.data.dtype)  # torch's initialisers draw in the dtype a layer is made in
+        try:
+            model = build(self.data, self.config, dropout=dropout)
+        finally:
+            torch.set_default_dtype(previous)
         model = model.to(device=self.data.device, dtype=self.data.dtype)
         if self.config.channels_last:
             model = model.to(memory_format=torch.channels_last)
