@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .. import __version__
-from .config import LATENT_CHOICES, PRESETS, RunConfig
+from .config import COMPILE_AUTO_STEPS, LATENT_CHOICES, PRESETS, RunConfig
 from .signals import stop_on_signals
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
@@ -179,9 +179,11 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                        help="one sample site per weight tensor (default: all latent weights packed in one site)")
     group.add_argument("--num-workers", type=int, default=None,
                        help="build augmented images in N DataLoader workers on the CPU (default 0: on the device)")
-    group.add_argument("--compile", action="store_true", default=None,
-                       help="compiled flat objectives and kernels (JitSharpnessAwareELBO, JitKLBallELBO, "
-                            "jit_compile=True); pays off for long runs only (docs/speed.md)")
+    group.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="train every method through its compiled step (the Jit objectives, jit_compile=True; "
+                            "CUDA graphs on a GPU). Default: compiled on CUDA for methods of "
+                            f"{COMPILE_AUTO_STEPS:,} steps or more, where the steps saved repay the compilation "
+                            "(measured on an H200: docs/speed.md), eager otherwise and on a CPU")
     group = parser.add_argument_group("long runs")
     group.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                        help="checkpoint every STEPS steps (0: only at the end of each training phase; without this "

@@ -51,8 +51,8 @@ def cheaper_step_options(problem: Problem, method: str) -> dict[str, object]:
 
 def sharpness_aware_loss(problem: Problem, method: str) -> SharpnessAwareELBO:
     """The SA-ELBO with the method's ``rho`` and ``adaptive`` options (defaults 0.05 and ``False``) and its LookSAM
-    or RST options, compiled with ``config.compile``; data-parallel runs all-reduce its ascent direction."""
-    elbo = JitSharpnessAwareELBO if problem.config.compile else SharpnessAwareELBO
+    or RST options, compiled when ``problem.compiled``; data-parallel runs all-reduce its ascent direction."""
+    elbo = JitSharpnessAwareELBO if problem.compiled else SharpnessAwareELBO
     return elbo(
         problem.option(method, "rho", DEFAULT_RHO), adaptive=problem.option(method, "adaptive", False),
         distributed=problem.distributed, **cheaper_step_options(problem, method),

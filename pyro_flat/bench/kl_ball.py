@@ -40,8 +40,8 @@ DEFAULT_RADIUS = {"fisher": 1.0, "normalized_score": 0.01}
 
 
 def _kl_ball(problem: Problem) -> type[KLBallELBO]:
-    """``KLBallELBO``, compiled with ``config.compile``."""
-    return JitKLBallELBO if problem.config.compile else KLBallELBO
+    """``KLBallELBO``, compiled when ``problem.compiled``."""
+    return JitKLBallELBO if problem.compiled else KLBallELBO
 
 
 def _low_rank_fit(problem: Problem, method: str, loss_factory: type | None, direction: str = "fisher") -> Posterior:

@@ -19,7 +19,7 @@ from ..infer import JitTensorTrace_ELBO, TensorSVI, TensorTrace_ELBO
 from ..infer.predict import guide_draws, sample_draws
 from ..nn import BayesianClassifier
 from .batches import is_distributed, minibatch_size, shard_size, steps_per_epoch, world
-from .config import RunConfig
+from .config import COMPILE_AUTO_STEPS, RunConfig
 from .context import RunContext
 from .loop import TrainingLoop
 from .models import MODELS
@@ -136,10 +136,18 @@ class Problem:
             model.autocast = torch.bfloat16
         return model
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the method trains through its compiled step: ``config.compile``, or with ``None`` on CUDA for at
+        least :data:`~pyro_flat.bench.config.COMPILE_AUTO_STEPS` steps."""
+        if self.config.compile is not None:
+            return self.config.compile
+        return self.data.device.type == "cuda" and self.num_steps >= COMPILE_AUTO_STEPS
+
     def base_loss(self) -> TensorTrace_ELBO:
         """The non-flat ELBO of the run's methods: ``TensorTrace_ELBO``, or its compiled form ``JitTensorTrace_ELBO``
-        with ``config.compile`` (so that a flat method and its base are both compiled)."""
-        return JitTensorTrace_ELBO() if self.config.compile else TensorTrace_ELBO()
+        when :attr:`compiled` (so that a flat method and its base are both compiled)."""
+        return JitTensorTrace_ELBO() if self.compiled else TensorTrace_ELBO()
 
     def option(self, method: str, name: str, default: Any) -> Any:
         """A per-method hyperparameter from ``config.options[method][name]``, else ``default``; ``name`` must be one of

@@ -207,7 +207,7 @@ def _constant_sgld(problem: Problem, method: str, rho: float | None) -> Posterio
     warmup, thinning = _constant_plan(problem, method, draws)
     temperature = float(problem.option(method, "temperature", 0.1))
     kernel = SGLD(target, step_size=problem.full_data_lr(lr), temperature=temperature,
-                  init_strategy=init_to_network(model), thinning=thinning, jit_compile=problem.config.compile)
+                  init_strategy=init_to_network(model), thinning=thinning, jit_compile=problem.compiled)
     samples = run_sgmcmc(problem, kernel, draws, warmup, model=model, state=state)
     info = {"warmup_steps": warmup, "thinning": thinning} | ({} if rho is None else {"rho": rho})
     return Posterior.from_samples(model, samples, draws, info=info)
@@ -252,7 +252,7 @@ def fit_csgld(problem: Problem) -> Posterior:
     per_cycle = math.ceil(draws / cycles)
     schedule = _csgld_schedule(problem)
     kernel = SGLD(model, step_size=schedule, temperature=float(problem.option("csgld", "temperature", 0.1)),
-                  init_strategy=init_to_network(model), jit_compile=problem.config.compile)
+                  init_strategy=init_to_network(model), jit_compile=problem.compiled)
     samples = run_sgmcmc(problem, kernel, cycles * per_cycle, 0, model=model)
     return Posterior.from_samples(model, samples, draws, info={"cycle_length": schedule.cycle_length,
                                                                "cycles": cycles})
@@ -289,7 +289,7 @@ def fit_emcmc(problem: Problem) -> Posterior:
         anchor_prior_scale=problem.option("emcmc", "anchor_prior_scale", None),
         init_strategy=init_to_network(model),
         thinning=thinning,
-        jit_compile=problem.config.compile,
+        jit_compile=problem.compiled,
     )
     samples = local_entropy_draws(run_sgmcmc(problem, kernel, kept, warmup, model=model), collect)
     return Posterior.from_samples(model, samples, draws, info=info)

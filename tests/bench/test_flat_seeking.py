@@ -114,3 +114,22 @@ def test_resume_with_cheaper_steps_is_exact(method, options, kill_at, tmp_path, 
     config = TINY.replace(num_epochs=4, options={method: options})
     reference, resumed = _uninterrupted_and_resumed(method, kill_at, config, tmp_path, monkeypatch)
     assert resumed.metrics == reference.metrics and torch.equal(resumed.test_probs, reference.test_probs)
+
+
+def test_compile_by_default_on_cuda_for_runs_long_enough_to_repay_it():
+    # RunConfig(compile=None): compiled on CUDA from COMPILE_AUTO_STEPS steps (the H200's compiled MAP / VI steps repay
+    # their ~30 s compilation after ~2,000-2,700 steps), eager on a CPU and for short runs; True / False decide
+    from types import SimpleNamespace
+
+    from pyro_flat.bench.config import COMPILE_AUTO_STEPS
+
+    def problem(device: str, num_epochs: int, compile: bool | None = None) -> Problem:
+        data = SimpleNamespace(device=torch.device(device), num_data=128 * 100)  # 100 steps an epoch at batch 128
+        return Problem(data, RunConfig(num_epochs=num_epochs, batch_size=128, compile=compile))
+
+    long_run = COMPILE_AUTO_STEPS // 100
+    assert problem("cuda", long_run).compiled and not problem("cuda", long_run - 1).compiled
+    assert not problem("cpu", long_run).compiled
+    assert problem("cpu", 1, compile=True).compiled and not problem("cuda", long_run, compile=False).compiled
+    with pytest.raises(ValueError, match="RunConfig.compile must be True, False or None"):
+        RunConfig(compile="yes")
