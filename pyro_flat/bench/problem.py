@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyro
 import pyro.optim
 import torch
+from pyro import poutine
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._internals import unconstrained_params
 from ..data import ClassificationData
 from ..data.images import VisionData
 from ..distributed import ddp_elbo
 from ..infer import JitTensorTrace_ELBO, TensorSVI, TensorTrace_ELBO
 from ..infer.predict import guide_draws, sample_draws
 from ..nn import BayesianClassifier
+from ..runtime.compiled_calls import CompiledCalls, module_key, tensor_key
 from .batches import is_distributed, minibatch_size, shard_size, steps_per_epoch, world
 from .config import COMPILE_AUTO_STEPS, RunConfig
 from .context import RunContext
@@ -59,15 +62,38 @@ class OptimSpec:
 
 class LossModule(nn.Module):
     """A loss ``fn(*args, **kwargs)`` as a module holding the modules whose parameters it trains — what
-    ``DistributedDataParallel`` wraps to all-reduce their gradients."""
+    ``DistributedDataParallel`` wraps to all-reduce their gradients.
 
-    def __init__(self, fn: Callable[..., Tensor], *modules: nn.Module) -> None:
+    :param compiled: evaluate the loss through its captured step (:class:`~pyro_flat.runtime.compiled_calls
+        .CompiledCalls`, compiled with ``torch.compile``), as a function of the parameters it reads (Pyro's and the
+        modules') and of its tensor arguments: a closure optimizer's compiled step (BayesianSAM's).
+    """
+
+    def __init__(self, fn: Callable[..., Tensor], *modules: nn.Module, compiled: bool = False) -> None:
         super().__init__()
         self.fn = fn
         self.parts = nn.ModuleList(modules)
+        self._compiled = CompiledCalls("the loss of a closure optimizer") if compiled else None
+        self._param_names: dict[Hashable, list[str]] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        return self.fn(*args, **kwargs)
+        if self._compiled is None:
+            return self.fn(*args, **kwargs)
+        tensors, arg_key = tensor_key((args, kwargs))
+        key = (arg_key, module_key(*self.parts), torch.is_grad_enabled())
+
+        def step() -> Tensor:
+            with poutine.trace(param_only=True) as params:
+                loss = self.fn(*args, **kwargs)
+            self._param_names[key] = sorted(params.trace.nodes)
+            return loss
+
+        def inputs() -> list[Tensor]:
+            store = unconstrained_params()
+            read = [store[name] for name in self._param_names[key]] + list(self.parts.parameters()) + tensors
+            return list({id(t): t for t in read}.values())  # a module's parameter may be Pyro's too
+
+        return self._compiled(key, step, inputs)
 
 
 @dataclass

@@ -324,7 +324,8 @@ def fit_bsam(problem: Problem) -> Posterior:
         make_loss = _per_example_loss(problem, model, guide, prior=False)
     else:
         nll = problem.data_parallel(LossModule(
-            lambda x, y, n: model_loss_fn(model, x, y, num_data=n)(guide()), guide, model
+            lambda x, y, n: model_loss_fn(model, x, y, num_data=n)(guide()), guide, model,
+            compiled=problem.compiled and not problem.distributed,
         ))
 
         def make_loss(x: Tensor, y: Tensor, n: int) -> Callable[[], Tensor]:

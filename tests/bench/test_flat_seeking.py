@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -46,11 +48,11 @@ def test_options():
         sharpness_aware_loss(bad, "sam")
 
 
-@pytest.mark.parametrize("method", ["map", "vi", "f_vi", "sa_bma", "sgld"])
+@pytest.mark.parametrize("method", ["map", "vi", "f_vi", "sa_bma", "sgld", "bsam"])
 def test_compiled_runs_reproduce_the_eager_runs(method, monkeypatch):
     """``RunConfig(compile=True)`` trains every method through a compiled step, the non-flat bases included (their
     ``JitTensorTrace_ELBO``: on a GPU, CUDA graphs), and those steps are the eager ones (the captured graph runs
-    uncompiled here: TorchInductor would cost seconds; tests/infer/test_compiled.py compiles)."""
+    uncompiled here: TorchInductor would cost seconds; tests/infer/test_compiled.py compiles); bsam's closure too."""
     from pyro_flat.bench import flat_seeking, kl_ball, problem, sgmcmc
 
     made = []
@@ -65,6 +67,14 @@ def test_compiled_runs_reproduce_the_eager_runs(method, monkeypatch):
     monkeypatch.setattr(flat_seeking, "JitSharpnessAwareELBO", graph(flat_seeking.JitSharpnessAwareELBO))
     monkeypatch.setattr(kl_ball, "JitKLBallELBO", graph(kl_ball.JitKLBallELBO))
     monkeypatch.setattr(sgmcmc, "SGLD", graph(sgmcmc.SGLD))
+
+    calls = problem.CompiledCalls
+
+    def closure_calls(owner):  # BayesianSAM's closure
+        made.append(SimpleNamespace(_compiled=calls(owner, {"backend": None})))
+        return made[-1]._compiled
+
+    monkeypatch.setattr(problem, "CompiledCalls", closure_calls)
     config = TINY.replace(num_epochs=1)
     eager = run_one(method, "digits", 0, config)
     made.clear()
@@ -119,8 +129,6 @@ def test_resume_with_cheaper_steps_is_exact(method, options, kill_at, tmp_path, 
 def test_compile_by_default_on_cuda_for_runs_long_enough_to_repay_it():
     # RunConfig(compile=None): compiled on CUDA from COMPILE_AUTO_STEPS steps (the H200's compiled MAP / VI steps repay
     # their ~30 s compilation after ~2,000-2,700 steps), eager on a CPU and for short runs; True / False decide
-    from types import SimpleNamespace
-
     from pyro_flat.bench.config import COMPILE_AUTO_STEPS
 
     def problem(device: str, num_epochs: int, compile: bool | None = None) -> Problem:
