@@ -132,7 +132,7 @@ def bayesian_transfer(
         def selection(module_name: str, module: nn.Module, _param: str) -> bool:
             return isinstance(module, NORM_LAYERS) or module_name == head
 
-    make_bayesian(net, random=selection, prior_scale=prior_scale, prior_loc="current", rest=rest)
+    make_bayesian(net, random=selection, prior_scale=prior_scale, prior_loc="current", rest=rest, packed=False)
     if new_head:
         head_module = net.get_submodule(head)
         for name, buffer in list(head_module.named_buffers(recurse=False)):
