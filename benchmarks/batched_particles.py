@@ -39,7 +39,7 @@ NETWORKS = {"MLP 64-64-10": (64,), "MLP 64-256-256-10": (256, 256)}
 def variants(hidden: tuple[int, ...], k: int, x: torch.Tensor, y: torch.Tensor, n: int) -> dict:
     """name -> a function advancing K particles by one step."""
     pyro.clear_param_store()
-    models = [BayesianMLP(64, 10, hidden) for _ in range(k)]
+    models = [BayesianMLP(64, 10, hidden, packed=False) for _ in range(k)]  # as in results/batched_particles.md
     particles, transforms = init_particles(models, x, y, init_strategy=[init_to_network(m) for m in models],
                                            num_data=n)
     model = models[0]

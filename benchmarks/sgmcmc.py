@@ -58,7 +58,7 @@ class MCMCRun:
         self.units_per_step = steps  # one call runs `steps` gradient steps
 
     def __call__(self):
-        model = BayesianMLP(64, 10, HIDDEN).float()
+        model = BayesianMLP(64, 10, HIDDEN, packed=False).float()  # a site a tensor, as the torch baselines
         kernel = self.build(model)
         mcmc = MCMC(kernel, num_samples=self.steps // self.per_draw, warmup_steps=0, disable_progbar=True)
         mcmc.run(self.data.x_train, self.data.y_train, subsample_size=BATCH)
@@ -68,7 +68,7 @@ class KernelLoop:
     """The SGLD kernel applied to its own output by hand."""
 
     def __init__(self, data, steps):
-        self.model = BayesianMLP(64, 10, HIDDEN).float()
+        self.model = BayesianMLP(64, 10, HIDDEN, packed=False).float()
         self.kernel = SGLD(self.model, step_size=STEP, init_strategy=init_to_network(self.model))
         self.kernel.setup(0, data.x_train, data.y_train, subsample_size=BATCH)
         self.params = self.kernel.initial_params
@@ -87,7 +87,7 @@ class TorchSameArithmetic:
         self.units_per_step = steps
         self.n = len(self.x)
         self.net = _net()
-        init = latent_init_values(BayesianMLP(64, 10, HIDDEN).float())
+        init = latent_init_values(BayesianMLP(64, 10, HIDDEN, packed=False).float())
         self.params = {name.replace("net.", "", 1): v.clone() for name, v in init.items()}
         self.params = {f"{int(k.split('.')[0]) - 1}.{k.split('.')[1]}": v for k, v in self.params.items()}
 

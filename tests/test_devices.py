@@ -78,10 +78,11 @@ def _data(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
 
 
 def _model(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> BayesianClassifier:
-    """``BayesianMLP(5, 3, hidden=(8,))`` made Bayesian where it lives: the torch network is moved to ``device`` and
-    ``dtype`` first, as in ``make_bayesian(net.cuda())``, so what ``make_bayesian`` adds must follow it."""
+    """``BayesianMLP(5, 3, hidden=(8,), packed=False)`` made Bayesian where it lives: the torch network is moved to
+    ``device`` and ``dtype`` first, as in ``make_bayesian(net.cuda())``, so what ``make_bayesian`` adds must follow it.
+    One site per weight tensor (the ResNet below has the packed default)."""
     net = nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).to(device=device, dtype=dtype)
-    return BayesianClassifier(make_bayesian(net), 3)
+    return BayesianClassifier(make_bayesian(net, packed=False), 3)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -185,11 +186,11 @@ def _per_step(step: Callable[[], object], counts: tuple[int, ...] = (2, 6)) -> t
 
 
 def _resnet(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> BayesianClassifier:
-    """ResNet-18 (width 4) with its weights packed in one site, as the harness builds it, made Bayesian where it lives
-    (as :func:`_model`)."""
+    """ResNet-18 (width 4) with its weights packed in one site (the default, as the harness builds it), made Bayesian
+    where it lives (as :func:`_model`)."""
     torch.manual_seed(0)
     net = resnet18(3, width=4).to(device=device, dtype=dtype)
-    return BayesianClassifier(make_bayesian(net, packed=True), 3)
+    return BayesianClassifier(make_bayesian(net), 3)
 
 
 def _images(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64):
@@ -643,13 +644,13 @@ def test_factory_detector_sees_a_factory_without_device():
 
 CONSTRUCTIONS = {
     # name: a Bayesian model made from a torch network (a ResNet: convolutions, BatchNorm, a linear head)
-    "make_bayesian": make_bayesian,
-    "make_bayesian-packed": partial(make_bayesian, packed=True),
+    "make_bayesian": make_bayesian,  # packed, the default
+    "make_bayesian-per-tensor": partial(make_bayesian, packed=False),
     "make_bayesian-norm_and_head-current-learned": partial(make_bayesian, random="norm_and_head",
                                                            prior_loc="current", rest="learned"),
-    "pack_latents": lambda net: pack_latents(make_bayesian(net)),
+    "pack_latents": lambda net: pack_latents(make_bayesian(net, packed=False)),
     "bayesian_transfer": lambda net: bayesian_transfer(net, 4),
-    "bayesian_transfer-packed": lambda net: bayesian_transfer(net, 4, packed=True),
+    "bayesian_transfer-per-tensor": lambda net: bayesian_transfer(net, 4, packed=False),
 }
 
 

@@ -21,6 +21,8 @@ DOCS = ROOT / "docs"
 RUNNABLE = ["guide/quickstart.md", "guide/your-own-model.md", "guide/which-method.md", "guide/extending.md",
             "methods/sharpness-aware.md", "methods/cheaper-steps.md", "methods/kl-ball.md", "methods/trajectories.md",
             "methods/sgmcmc.md"]
+# sections of the other pages whose Python blocks form one runnable script: (page, heading)
+RUNNABLE_SECTIONS = [("guide/gpus-and-parallelism.md", "## The fast recipe on a GPU")]
 
 
 def test_result_sections_are_the_rendering_of_the_declared_runs(script):
@@ -167,6 +169,33 @@ def test_page_code_runs(page, monkeypatch, capsys):
         assert abs(vi / exact - 1) < 0.1 and flat < 0.8 * exact, (exact, vi, flat)
     if page == "guide/extending.md":
         _check_the_extending_examples(namespace)
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under ``heading`` down to the next heading of the same level."""
+    assert f"\n{heading}\n" in text, heading
+    level = heading.split(" ", 1)[0]
+    return text.split(f"\n{heading}\n", 1)[1].split(f"\n{level} ", 1)[0]
+
+
+@pytest.mark.parametrize(("page", "heading"), RUNNABLE_SECTIONS)
+def test_section_code_runs(page, heading, monkeypatch):
+    import torch
+
+    from pyro_flat.nn import is_packed
+
+    monkeypatch.chdir(ROOT)
+    torch.set_default_dtype(torch.float32)  # a reader's default (the test fixture restores float64 afterwards)
+    blocks = re.findall(r"```python\n(.*?)```", _section((DOCS / page).read_text(), heading), flags=re.S)
+    assert blocks
+    namespace: dict = {}
+    exec(compile("\n".join(blocks), f"{page}: {heading}", "exec"), namespace)
+    if heading == "## The fast recipe on a GPU":  # what the section says the recipe is
+        model, x, loss = namespace["model"], namespace["x"], namespace["loss"]
+        assert is_packed(model) and model.autocast == torch.bfloat16
+        assert x.is_contiguous(memory_format=torch.channels_last) and x.dim() == 4
+        assert x.device.type == namespace["device"] and loss.dim() == 0 and torch.isfinite(loss)
+        assert all(p.device.type == namespace["device"] for p in namespace["guide"].parameters())
 
 
 @contextmanager

@@ -55,6 +55,14 @@ def test_quick_start_runs_and_prints_what_the_readme_says(capsys):
     assert printed["acc"] > 0.9  # and the pipeline learned (chance: 0.1)
 
 
+def test_gpu_recipe_is_lines_of_the_guide_recipe_that_the_docs_tests_run():
+    (block,) = [b for b in _code_blocks("python") if "TensorSVI" in b]
+    guide = (ROOT / "docs" / "guide" / "gpus-and-parallelism.md").read_text()
+    section = guide.split("\n## The fast recipe on a GPU\n", 1)[1].split("\n## ", 1)[0]  # tests/test_docs.py runs it
+    tested = {line for code in re.findall(r"```python\n(.*?)```", section, flags=re.S) for line in code.splitlines()}
+    assert [line for line in block.splitlines() if line.strip() and line not in tested] == []
+
+
 def test_relative_links_resolve():
     links = re.findall(r"\]\(([^)#]+)\)", README)
     local = [link for link in links if not link.startswith(("http://", "https://"))]

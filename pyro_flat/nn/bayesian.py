@@ -25,13 +25,14 @@ Prior locations and scales live in buffers, so ``model.to(device)`` moves the pr
 own initialisation is kept (a buffer per random parameter) and exposed through :func:`init_to_network`, so guides can
 start at a well-scaled point rather than at a prior draw.
 
-**Packed latents** (``packed=True``, or :func:`pack_latents` afterwards): the random parameters become *one* sample
-site ``"{name}.weights"`` of shape ``[P]`` (:math:`P` the number of random weights) with the same prior,
-:math:`\mathcal N(\mathrm{vec}(m), \mathrm{vec}(s)^2 I_P)`, and before each forward pass its value is viewed into the
-parameters (``split`` along the last dimension, then ``unflatten`` to each parameter's shape). The density is the
-per-tensor one and, for a guide that draws the same numbers, so are the loss and its gradients; but a prior or guide
-density, a guide draw, a SAM step or an optimiser update is then a handful of tensor operations instead of a handful
-per parameter tensor — on a GPU, a few kernel launches instead of thousands, and one site for Pyro to trace.
+**Packed latents** (the default; ``packed=False`` keeps one site per parameter tensor, which :func:`pack_latents`
+packs afterwards): the random parameters become *one* sample site ``"{name}.weights"`` of shape ``[P]`` (:math:`P`
+the number of random weights) with the same prior, :math:`\mathcal N(\mathrm{vec}(m), \mathrm{vec}(s)^2 I_P)`, and
+before each forward pass its value is viewed into the parameters (``split`` along the last dimension, then
+``unflatten`` to each parameter's shape). The density is the per-tensor one and, for a guide that draws the same
+numbers, so are the loss and its gradients; but a prior or guide density, a guide draw, a SAM step or an optimiser
+update is then a handful of tensor operations instead of a handful per parameter tensor — on a GPU, a few kernel
+launches instead of thousands, and one site for Pyro to trace.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def make_bayesian(
     prior_scale: float = 1.0,
     prior_loc: str = "zero",
     rest: str = "frozen",
-    packed: bool = False,
+    packed: bool = True,
 ) -> PyroModule:
     r"""Convert ``module`` **in place** into a :class:`~pyro.nn.PyroModule` whose chosen parameters are latent.
 
@@ -163,8 +164,10 @@ def make_bayesian(
     :param prior_loc: ``"zero"`` or ``"current"`` (centre the prior at the parameter's present value).
     :param rest: what happens to the other parameters: ``"frozen"`` (become buffers; a tied tensor stays one buffer)
         or ``"learned"`` (stay ``nn.Parameter`` s, i.e. ``pyro.param`` sites optimised by SVI).
-    :param packed: make the random parameters one sample site ``"weights"`` (:func:`pack_latents`) instead of one
-        site per parameter tensor (default ``False``).
+    :param packed: make the random parameters one sample site ``"weights"`` (:func:`pack_latents`, default ``True``:
+        a step then launches a few kernels for the site instead of a few per weight tensor, 4x faster on a GPU's
+        ResNet-18) or, with ``False``, one site per parameter tensor (``"0.weight"``, ..., to condition, block or guide
+        tensors one by one).
     :returns: the same object, now a ``PyroModule``.
     :raises ValueError: for a bad option, a selection of no parameter, or a network that is already Bayesian.
 
@@ -307,7 +310,7 @@ def pack_latents(module: PyroModule, name: str = "weights") -> PyroModule:
     parameters in the packed vector is the module order of ``named_modules``; a tied tensor is in it once. Pack after
     the network's structure is final (a module replaced afterwards is not re-bound).
 
-    :param module: a ``PyroModule`` made by :func:`make_bayesian` (per-tensor latents).
+    :param module: a ``PyroModule`` made by :func:`make_bayesian` with ``packed=False`` (per-tensor latents).
     :param name: the attribute of ``module`` that becomes the packed site (default ``"weights"``; the site is
         ``"{module's Pyro name}.weights"``, e.g. ``"net.weights"`` in a :class:`~pyro_flat.nn.BayesianClassifier`).
     :returns: the same object.
@@ -380,7 +383,8 @@ def is_packed(module: nn.Module) -> bool:
 
 
 def latent_init_values(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The network's initial values of its random parameters, keyed by Pyro site name (``"net.0.weight"``)."""
+    """The network's initial values of its random parameters, keyed by Pyro site name (``"net.weights"`` packed,
+    ``"net.0.weight"``, ... per tensor)."""
     if not isinstance(module, PyroModule):
         raise TypeError("`module` must be a PyroModule made by make_bayesian")
     return _latent_inits(module)

@@ -179,8 +179,8 @@ class BayesianMLP(BayesianClassifier):
     :param prior_scale: prior standard deviation of every weight (``N(0, s^2)``); default 1.
     :param dropout: dropout probability after each hidden layer (MC-Dropout when the model is in train mode at
         prediction time); default 0.
-    :param packed: all weights one sample site ``"net.weights"`` (:func:`~pyro_flat.nn.pack_latents`) instead of one
-        site per tensor (``"net.1.weight"``, ...); default ``False``.
+    :param packed: all weights one sample site ``"net.weights"`` (:func:`~pyro_flat.nn.pack_latents`, default
+        ``True``) or, with ``False``, one site per tensor (``"net.1.weight"``, ...).
     """
 
     def __init__(
@@ -191,7 +191,7 @@ class BayesianMLP(BayesianClassifier):
         *,
         prior_scale: float = 1.0,
         dropout: float = 0.0,
-        packed: bool = False,
+        packed: bool = True,
     ) -> None:
         _check_mlp_args(in_features, hidden, dropout)
         net = make_bayesian(_mlp(in_features, num_classes, hidden, dropout), prior_scale=prior_scale, packed=packed)
@@ -233,7 +233,8 @@ class BayesianCNN(BayesianClassifier):
         :func:`refresh_batchnorm`), ``"group"`` (GroupNorm with 4 groups, no running statistics) or ``None``.
     :param prior_scale: prior standard deviation; default 1.
     :param dropout: dropout before the head; default 0.
-    :param packed: all weights one sample site (:func:`~pyro_flat.nn.pack_latents`); default ``False``.
+    :param packed: all weights one sample site (:func:`~pyro_flat.nn.pack_latents`, default ``True``) or one per
+        tensor (``False``).
     """
 
     def __init__(
@@ -245,7 +246,7 @@ class BayesianCNN(BayesianClassifier):
         norm: str | None = "batch",
         prior_scale: float = 1.0,
         dropout: float = 0.0,
-        packed: bool = False,
+        packed: bool = True,
     ) -> None:
         input_shape = tuple(input_shape)
         if len(input_shape) not in (2, 3) or not all(isinstance(s, int) and s > 0 for s in input_shape):

@@ -84,7 +84,7 @@ def bayesian_transfer(
     new_head: bool = True,
     rest: str = "frozen",
     copy: bool = True,
-    packed: bool = False,
+    packed: bool = True,
 ) -> BayesianClassifier:
     r"""A Bayesian classifier for a target task from a network pretrained on a source task.
 
@@ -103,8 +103,8 @@ def bayesian_transfer(
     :param rest: ``"frozen"`` (default; the other parameters become buffers at their pretrained values) or
         ``"learned"`` (they stay ``pyro.param`` point estimates).
     :param copy: work on a deep copy of ``net`` (default) rather than converting it in place.
-    :param packed: the latent parameters as one sample site ``"net.weights"`` (:func:`~pyro_flat.nn.pack_latents`)
-        instead of one per tensor; default ``False``.
+    :param packed: the latent parameters as one sample site ``"net.weights"`` (:func:`~pyro_flat.nn.pack_latents`,
+        default ``True``) or one per tensor (``False``).
     :returns: a :class:`~pyro_flat.nn.BayesianClassifier` called as ``model(x, y=None, *, subsample_size=None,
         num_data=None)``.
 
@@ -132,7 +132,7 @@ def bayesian_transfer(
         def selection(module_name: str, module: nn.Module, _param: str) -> bool:
             return isinstance(module, NORM_LAYERS) or module_name == head
 
-    make_bayesian(net, random=selection, prior_scale=prior_scale, prior_loc="current", rest=rest)
+    make_bayesian(net, random=selection, prior_scale=prior_scale, prior_loc="current", rest=rest, packed=False)
     if new_head:
         head_module = net.get_submodule(head)
         for name, buffer in list(head_module.named_buffers(recurse=False)):

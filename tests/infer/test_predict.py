@@ -17,7 +17,7 @@ def _fitted_guide(model, x, y, guide_cls=AutoNormal):
 
 
 def test_guide_draws_are_model_sites_not_auxiliary():
-    model = BayesianMLP(3, 2, hidden=(4,))
+    model = BayesianMLP(3, 2, hidden=(4,), packed=False)  # a site a tensor (packed: tests/nn/test_packed.py)
     x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
     guide = _fitted_guide(model, x, y)
     draws = list(guide_draws(guide, 3))

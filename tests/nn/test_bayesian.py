@@ -74,10 +74,10 @@ def test_a_tied_weight_is_one_latent_with_one_prior_seen_by_every_holder(kind, p
 
 
 def test_a_tied_weight_keeps_one_site_name_and_its_initial_values_start_the_guide():
-    model = make_bayesian(_shared())
+    model = make_bayesian(_shared(), packed=False)
     x = torch.randn(4, 3)
     assert list(_latent(poutine.trace(model).get_trace(x))) == ["0.weight", "0.bias", "2.bias"]
-    reused = make_bayesian(_reused())  # Pyro names a module used twice after its last place
+    reused = make_bayesian(_reused(), packed=False)  # Pyro names a module used twice after its last place
     assert list(_latent(poutine.trace(reused).get_trace(x))) == list(latent_init_values(reused)) == [
         "2.weight", "2.bias"]
     guide = AutoNormal(reused, init_loc_fn=init_to_network(reused))
@@ -86,7 +86,7 @@ def test_a_tied_weight_keeps_one_site_name_and_its_initial_values_start_the_guid
 
 
 def test_a_tied_tensor_is_random_if_any_of_its_names_is_and_stays_one_tensor_otherwise():
-    model = make_bayesian(_shared(), random={"2.weight"})  # the second holder's name
+    model = make_bayesian(_shared(), random={"2.weight"}, packed=False)  # the second holder's name
     assert list(_latent(poutine.trace(model).get_trace(torch.randn(4, 3)))) == ["0.weight"]
     frozen = make_bayesian(_shared(), random={"2.bias"})
     assert "weight" in dict(frozen[0].named_buffers()) and frozen[0].weight is frozen[2].weight
@@ -95,13 +95,13 @@ def test_a_tied_tensor_is_random_if_any_of_its_names_is_and_stays_one_tensor_oth
 
 
 def test_applied_twice_it_says_already_bayesian():
-    net = make_bayesian(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)))
+    net = make_bayesian(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), packed=False)
     with pytest.raises(ValueError, match=r"already Bayesian: make_bayesian has made its latent sites \['0.weight'"):
         make_bayesian(net)
-    with pytest.raises(ValueError, match="already Bayesian"):
-        make_bayesian(make_bayesian(nn.Linear(2, 2), packed=True), rest="learned")
+    with pytest.raises(ValueError, match=r"already Bayesian: make_bayesian has made its latent sites \['weights'\]"):
+        make_bayesian(make_bayesian(nn.Linear(2, 2)), rest="learned")  # packed, the default
     with pytest.raises(ValueError, match="already Bayesian"):  # inside a plain module
-        make_bayesian(nn.Sequential(make_bayesian(nn.Linear(2, 2)), nn.Linear(2, 2)))
+        make_bayesian(nn.Sequential(make_bayesian(nn.Linear(2, 2), packed=False), nn.Linear(2, 2)))
 
 
 def test_an_embedding_that_renormalises_its_weight_is_refused_by_name():

@@ -21,6 +21,7 @@ from pyro_flat.nn import (
     latent_init_values,
     make_bayesian,
     refresh_batchnorm,
+    unpacked_sites,
 )
 
 
@@ -30,7 +31,7 @@ def _latents(model, *args, **kwargs):
 
 
 def test_mlp_sites_shapes_and_prior():
-    model = BayesianMLP(5, 3, hidden=(4,), prior_scale=0.5)
+    model = BayesianMLP(5, 3, hidden=(4,), prior_scale=0.5, packed=False)
     x = torch.randn(7, 5)
     trace = poutine.trace(model).get_trace(x, torch.zeros(7, dtype=torch.long))
     lat = latent_sites(trace)
@@ -109,7 +110,7 @@ def test_norm_and_head_frozen_rest():
     net = _net_with_norm()
     original = {k: v.detach().clone() for k, v in net.named_parameters()}
     assert head_module_name(net) == "5"
-    make_bayesian(net, random="norm_and_head", rest="frozen", prior_loc="current", prior_scale=0.1)
+    make_bayesian(net, random="norm_and_head", rest="frozen", prior_loc="current", prior_scale=0.1, packed=False)
     model = BayesianClassifier(net, 3)
     lat = _latents(model, torch.randn(5, 4))
     assert set(lat) == {"net.1.weight", "net.1.bias", "net.4.weight", "net.4.bias", "net.5.weight", "net.5.bias"}
@@ -127,7 +128,7 @@ def test_norm_and_head_frozen_rest():
 
 
 def test_learned_rest_are_pyro_params():
-    net = make_bayesian(_net_with_norm(), random=["5.weight"], rest="learned")
+    net = make_bayesian(_net_with_norm(), random=["5.weight"], rest="learned", packed=False)
     model = BayesianClassifier(net, 3)
     with poutine.trace(param_only=True) as tr:
         model(torch.randn(5, 4))
@@ -136,13 +137,14 @@ def test_learned_rest_are_pyro_params():
 
 
 def test_predicate_selection():
-    net = make_bayesian(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), random=lambda m, sub, p: p == "bias")
+    net = make_bayesian(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), random=lambda m, sub, p: p == "bias",
+                        packed=False)
     assert set(_latents(BayesianClassifier(net, 2), torch.randn(4, 2))) == {"net.0.bias", "net.1.bias"}
 
 
 def test_init_to_network_starts_at_torch_init():
     torch.manual_seed(3)
-    model = BayesianMLP(3, 2, hidden=(4,))
+    model = BayesianMLP(3, 2, hidden=(4,), packed=False)
     init = latent_init_values(model)
     guide = AutoNormal(model, init_loc_fn=init_to_network(model), init_scale=1e-6)
     x = torch.randn(6, 3)
@@ -185,13 +187,25 @@ def test_cnn_shapes(shape):
         BayesianCNN((8,), 10)
 
 
-def test_refresh_batchnorm_recomputes_statistics_at_the_draw():
-    model = BayesianCNN((1, 8, 8), 3, channels=(4, 4), norm="batch")
+def _per_tensor(model, draw):
+    """``draw`` with each packed site split into its per-tensor values (the layout of :func:`unpacked_sites`)."""
+    values = dict(draw)
+    for site, layout in unpacked_sites(model).items():
+        chunks = values.pop(site).split([shape.numel() for shape in layout.values()])
+        values.update({n: c.reshape(shape) for (n, shape), c in zip(layout.items(), chunks, strict=True)})
+    return values
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per tensor"])
+def test_refresh_batchnorm_recomputes_statistics_at_the_draw(packed):
+    model = BayesianCNN((1, 8, 8), 3, channels=(4, 4), norm="batch", packed=packed)
     x = torch.randn(50, 1, 8, 8)
     draw = _latents(model, x)
+    assert list(draw) == ["net.weights"] if packed else "net.0.weight" in draw
     refresh_batchnorm(model, draw, x, batch_size=50)
     # expected statistics: the mean/variance of the first conv's output at the drawn weights, over the data
-    pre = torch.nn.functional.conv2d(x, draw["net.0.weight"], draw["net.0.bias"], padding=1)
+    weights = _per_tensor(model, draw)
+    pre = torch.nn.functional.conv2d(x, weights["net.0.weight"], weights["net.0.bias"], padding=1)
     bn = model.net[1]
     assert torch.allclose(bn.running_mean, pre.mean(dim=(0, 2, 3)), atol=1e-10)
     assert torch.allclose(bn.running_var, pre.var(dim=(0, 2, 3), unbiased=True), atol=1e-10)

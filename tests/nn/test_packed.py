@@ -1,5 +1,6 @@
-"""Packed Bayesian networks (``make_bayesian(packed=True)`` / ``pack_latents``): one sample site holding every latent
-weight, with the same prior, loss and gradients as the per-tensor form (exact in float64, given the same noise)."""
+"""Packed Bayesian networks (``make_bayesian``'s default / ``pack_latents``): one sample site holding every latent
+weight, with the same prior, loss and gradients as the per-tensor form (``packed=False``; exact in float64, given the
+same noise)."""
 
 import copy
 import io
@@ -29,6 +30,7 @@ from pyro_flat.infer import (
 from pyro_flat.infer.mcmc import SGLD
 from pyro_flat.nn import (
     BayesianClassifier,
+    BayesianCNN,
     BayesianMLP,
     bayesian_transfer,
     init_to_network,
@@ -61,7 +63,7 @@ class FixedNoise(TorchDispatchMode):
 def pair(dropout=0.0):
     """The same MLP twice, per tensor and packed, and data."""
     torch.manual_seed(1)
-    per_tensor = BayesianMLP(5, 3, hidden=(8, 6), dropout=dropout)
+    per_tensor = BayesianMLP(5, 3, hidden=(8, 6), dropout=dropout, packed=False)
     packed = copy.deepcopy(per_tensor)
     pack_latents(packed.net)
     x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
@@ -155,6 +157,30 @@ def test_sgld_potential_and_gradient_equal_the_per_tensor_ones():
     torch.testing.assert_close(potentials[0][1], potentials[1][1], rtol=1e-12, atol=1e-12)
 
 
+def test_packed_is_the_default_and_per_tensor_sites_an_option():
+    x, y = torch.randn(2, 1, 8, 8), torch.tensor([0, 2])
+    def linear(classes):
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, classes))
+
+    for build in (lambda **kw: BayesianClassifier(make_bayesian(linear(3), **kw), 3),
+                  lambda **kw: BayesianMLP(64, 3, hidden=(4,), **kw),
+                  lambda **kw: BayesianCNN((1, 8, 8), 3, channels=(2,), **kw),
+                  lambda **kw: bayesian_transfer(linear(5), 3, **kw)):
+        packed, per_tensor = build(), build(packed=False)
+        assert is_packed(packed) and latent_names(packed, x, y) == ["net.weights"]
+        assert not is_packed(per_tensor) and "net.weights" not in latent_names(per_tensor, x, y)
+        layout = unpacked_sites(packed)["net.weights"]
+        assert list(layout) == latent_names(per_tensor, x, y)
+
+
+def test_a_packed_network_prints():
+    # print(model) between calls, where the packed weights have no value: torch's extra_repr reads `self.bias`
+    for model in (BayesianMLP(4, 3, hidden=(6,)), BayesianCNN((1, 8, 8), 3, channels=(2,))):
+        assert is_packed(model)
+        text = repr(model)
+        assert "bias=True" in text and "bias" not in model.net[1].__dict__  # and no value outlives the print
+
+
 def test_inference_on_a_packed_resnet_with_batchnorm():
     # SA-ELBO (BatchNorm statistics frozen in the perturbed pass), Predictive, SWAG, HWA, Entropy-MCMC, TensorSVI
     torch.manual_seed(0)
@@ -224,7 +250,7 @@ def test_bad_input():
     _, packed, _, _ = pair()
     with pytest.raises(ValueError, match="already packed"):
         pack_latents(packed.net)
-    per_tensor = make_bayesian(nn.Linear(2, 2))
+    per_tensor = make_bayesian(nn.Linear(2, 2), packed=False)
     with pytest.raises(ValueError, match="`name`"):
         pack_latents(per_tensor, name="weight")  # an attribute of the module
     with pytest.raises(TypeError, match="PyroModule"):

@@ -95,7 +95,7 @@ def test_bad_arguments(call, match):
 def test_latent_choices(random, expected):
     net = preresnet(20, 5, width=2, norm="group")
     num_params = _count(net)
-    model = BayesianClassifier(make_bayesian(net, random=random, rest="learned"), 5)
+    model = BayesianClassifier(make_bayesian(net, random=random, rest="learned", packed=False), 5)  # a site a tensor
     x = torch.randn(2, 3, 32, 32)
     latents = latent_sites(poutine.trace(model).get_trace(x, torch.zeros(2, dtype=torch.long)))
     learned = sum(p.numel() for p in model.parameters())

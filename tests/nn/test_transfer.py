@@ -9,7 +9,7 @@ from pyro import poutine
 from torch import nn
 
 from pyro_flat.infer import latent_sites
-from pyro_flat.nn import BayesianClassifier, bayesian_transfer, replace_head
+from pyro_flat.nn import BayesianClassifier, bayesian_transfer, replace_head, unpacked_sites
 
 
 def _pretrained(norm="group"):
@@ -24,7 +24,7 @@ def _pretrained(norm="group"):
 
 def test_norm_and_head_are_latent_with_their_priors_and_the_rest_is_frozen():
     net = _pretrained()
-    model = bayesian_transfer(net, 3, prior_scale=0.1, head_prior_scale=2.0)
+    model = bayesian_transfer(net, 3, prior_scale=0.1, head_prior_scale=2.0, packed=False)  # packed: test_packed.py
     assert isinstance(model, BayesianClassifier) and model.num_classes == 3
     x = torch.randn(6, 1, 8, 8)
     trace = poutine.trace(model).get_trace(x, torch.zeros(6, dtype=torch.long))
@@ -42,7 +42,7 @@ def test_norm_and_head_are_latent_with_their_priors_and_the_rest_is_frozen():
 
 def test_kept_head_is_centred_at_its_pretrained_values_and_rest_can_be_learned():
     net = _pretrained(norm="batch")
-    model = bayesian_transfer(net, 5, prior_scale=0.5, new_head=False, rest="learned", copy=False)
+    model = bayesian_transfer(net, 5, prior_scale=0.5, new_head=False, rest="learned", copy=False, packed=False)
     assert model.net is net
     trace = poutine.trace(model).get_trace(torch.randn(4, 1, 8, 8))
     head_prior = trace.nodes["net.5.weight"]["fn"].base_dist
@@ -55,9 +55,10 @@ def test_kept_head_is_centred_at_its_pretrained_values_and_rest_can_be_learned()
 def test_torchvision_resnet_norm_layers_and_fc():
     torchvision = pytest.importorskip("torchvision")
     net = torchvision.models.resnet18(weights=None, num_classes=7)
-    model = bayesian_transfer(net, 4, prior_scale=0.1)
+    model = bayesian_transfer(net, 4, prior_scale=0.1)  # packed, the default: one site, relabelled per tensor
     trace = poutine.trace(model).get_trace(torch.randn(2, 3, 32, 32), torch.zeros(2, dtype=torch.long))
-    names = set(latent_sites(trace))
+    assert list(latent_sites(trace)) == ["net.weights"]
+    names = set(unpacked_sites(model)["net.weights"])
     assert {"net.fc.weight", "net.fc.bias", "net.bn1.weight", "net.layer1.0.bn2.bias"} <= names
     assert all(".bn" in n or "downsample.1" in n or n.startswith("net.fc") for n in names)
     assert trace.nodes["logits"]["value"].shape == (2, 4)
@@ -65,7 +66,7 @@ def test_torchvision_resnet_norm_layers_and_fc():
 
 def test_same_number_of_classes_still_gets_a_new_head():
     net = _pretrained()
-    model = bayesian_transfer(net, 5)  # new classes, same count: a fresh head with the zero-mean prior
+    model = bayesian_transfer(net, 5, packed=False)  # new classes, same count: a fresh head with the zero-mean prior
     trace = poutine.trace(model).get_trace(torch.randn(2, 1, 8, 8), torch.zeros(2, dtype=torch.long))
     assert torch.equal(trace.nodes["net.5.weight"]["fn"].base_dist.loc, torch.zeros(5, 4))
     assert not torch.equal(model.net[5]._init_weight, net[5].weight)

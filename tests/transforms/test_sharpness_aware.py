@@ -239,7 +239,7 @@ def test_predictive_on_the_transform_returns_the_model_at_theta():
 
 
 def test_module_wrapper():
-    model = BayesianMLP(4, 3, hidden=(6,))
+    model = BayesianMLP(4, 3, hidden=(6,), packed=False)  # repr of a packed network: tests/nn/test_packed.py
     sa_model = sharpness_aware(model, 0.1, adaptive=True)
     assert isinstance(sa_model, SharpnessAwareModel)
     assert "rho=0.1, adaptive=True" in repr(sa_model)

@@ -196,7 +196,7 @@ def test_reorders_a_collector_filled_in_another_order():
 
 def test_flattening_order_is_the_model_trace_order():
     # collected from AutoDelta's median, the order is latent_sites(trace) = Pyro's AutoContinuous packing order
-    model = BayesianMLP(4, 3, hidden=(5,))
+    model = BayesianMLP(4, 3, hidden=(5,), packed=False)  # several sites (packed, the default, has one)
     x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
     delta = AutoDelta(model)
     delta(x, y)
