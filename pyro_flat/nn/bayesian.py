@@ -228,6 +228,7 @@ def make_bayesian(
         tied += [_Tie(sub, pname, owner, name) for sub, pname in others]
     if tied:
         _latent_views(module).tied += tied
+        _show_latents(module)
     return pack_latents(module) if packed else module
 
 
@@ -263,6 +264,41 @@ class _LatentViews:
     def places(self) -> list[tuple[nn.Module, str]]:
         packed = [] if self.packed is None else [place for places, _ in self.packed.targets for place in places]
         return packed + [(tie.module, tie.attribute) for tie in self.tied]
+
+
+class _LatentRepr:
+    """A holder's ``extra_repr``: between calls its packed or tied weights have no value (they are views of one call's
+    sample), so torch's ``extra_repr`` (``bias=self.bias is not None``, ...) reads shape-only stand-ins on the
+    ``meta`` device, dropped after."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.shapes: dict[str, torch.Size] = {}
+
+    def __call__(self) -> str:
+        module = self.module
+        absent = {name: torch.empty(shape, device="meta") for name, shape in self.shapes.items()
+                  if name not in module.__dict__}
+        module.__dict__.update(absent)
+        try:
+            return type(module).extra_repr(module)
+        finally:
+            for name in absent:
+                module.__dict__.pop(name, None)
+
+
+def _show_latents(module: nn.Module) -> None:
+    """Give every holder of a packed or tied weight of ``module`` a :class:`_LatentRepr` (so that it prints)."""
+    views: _LatentViews = module._latent_views
+    shapes = [(places, shape) for places, shape in views.packed.targets] if views.packed is not None else []
+    shapes += [([(tie.module, tie.attribute)], getattr(tie.owner, _INIT + tie.owner_attribute).shape)
+               for tie in views.tied if hasattr(tie.owner, _INIT + tie.owner_attribute)]
+    for places, shape in shapes:
+        for sub, pname in places:
+            show = sub.__dict__.get("extra_repr")
+            if not isinstance(show, _LatentRepr):
+                show = sub.__dict__["extra_repr"] = _LatentRepr(sub)
+            show.shapes[pname] = shape
 
 
 def _latent_views(module: nn.Module) -> _LatentViews:
@@ -357,6 +393,7 @@ def pack_latents(module: PyroModule, name: str = "weights") -> PyroModule:
                 parts, [i.numel() for i in inits], strict=True)]).to(init))
     setattr(module, name, PyroSample(_GaussianPrior(name)))
     _latent_views(module).packed = _PackedLatents(name, targets)
+    _show_latents(module)
     return module
 
 
