@@ -205,6 +205,8 @@ class BayesianRegressionMLP(BayesianRegressor):
     :param hidden: hidden widths; default ``(50, 50)``.
     :param prior_scale: prior standard deviation of every weight; default 1.
     :param obs_scale: fixed noise scale, or ``None`` to learn a heteroscedastic one.
+    :param packed: all weights one sample site (:func:`~pyro_flat.nn.pack_latents`, default ``True``) or one per
+        tensor (``False``).
     """
 
     def __init__(
@@ -214,9 +216,11 @@ class BayesianRegressionMLP(BayesianRegressor):
         *,
         prior_scale: float = 1.0,
         obs_scale: float | None = None,
+        packed: bool = True,
     ) -> None:
         _check_mlp_args(in_features, hidden, 0.0)
-        net = make_bayesian(_mlp(in_features, 2 if obs_scale is None else 1, hidden, 0.0), prior_scale=prior_scale)
+        net = make_bayesian(_mlp(in_features, 2 if obs_scale is None else 1, hidden, 0.0), prior_scale=prior_scale,
+                            packed=packed)
         super().__init__(net, obs_scale)
 
 

@@ -32,6 +32,7 @@ from pyro_flat.nn import (
     BayesianClassifier,
     BayesianCNN,
     BayesianMLP,
+    BayesianRegressionMLP,
     bayesian_transfer,
     init_to_network,
     is_packed,
@@ -171,6 +172,8 @@ def test_packed_is_the_default_and_per_tensor_sites_an_option():
         assert not is_packed(per_tensor) and "net.weights" not in latent_names(per_tensor, x, y)
         layout = unpacked_sites(packed)["net.weights"]
         assert list(layout) == latent_names(per_tensor, x, y)
+    assert is_packed(BayesianRegressionMLP(1, hidden=(4,)))
+    assert not is_packed(BayesianRegressionMLP(1, hidden=(4,), packed=False))
 
 
 def test_a_packed_network_prints():
