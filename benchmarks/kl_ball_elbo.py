@@ -41,9 +41,14 @@ class TorchKLBall(TorchBBB):
     """Bayes by backprop plus the Fisher-preconditioned KL-ball step of ``KLBallELBO``."""
 
     def likelihood_nll(self, weights, scales, noise, x, y):
-        nll = self.nll(weights, x, y)
-        grads = torch.autograd.grad(nll, self.locs + self.raw_scales, retain_graph=True)
         n = len(self.locs)
+
+        def nll_at(variational):  # the likelihood at the sample of (locs, raw scales) with this step's noise
+            return self.nll([m + F.softplus(u) * e for m, u, e in
+                             zip(variational[:n], variational[n:], noise, strict=True)], x, y,
+                            update_stats=False)
+
+        grads = self.grad(nll_at, self.locs + self.raw_scales)
         directions = [
             diagonal_gaussian_inverse_fisher_product(m_grad, u_grad, s.detach(), torch.sigmoid(u.detach()))
             for m_grad, u_grad, u, s in zip(grads[:n], grads[n:], self.raw_scales, scales, strict=True)

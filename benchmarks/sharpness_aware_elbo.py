@@ -28,11 +28,10 @@ from pathlib import Path
 import pyro
 import torch
 from _report import write_markdown
-from _svi_steps import BATCH, HIDDEN, Network, TorchBBB, check_same_step
+from _svi_steps import BATCH, HIDDEN, Network, TorchBBB, check_same_step, sam_ascent
 from _timing import environment, interleaved_times, medians_ms, timing_rows
 
 from pyro_flat.infer import SharpnessAwareELBO, TensorTrace_ELBO
-from pyro_flat.ops.sam import sam_perturbation
 
 RHO = 0.05
 
@@ -41,10 +40,8 @@ class TorchBBBSAM(TorchBBB):
     """Bayes by backprop plus the SAM step on the sampled weights (the arithmetic of ``SharpnessAwareELBO``)."""
 
     def likelihood_nll(self, weights, scales, noise, x, y):
-        leaves = [w.detach().requires_grad_() for w in weights]
-        grads = torch.autograd.grad(self.nll(leaves, x, y), leaves)
-        eps = sam_perturbation(grads, RHO)
-        return self.nll([w + e for w, e in zip(weights, eps, strict=True)], x, y)
+        grads = self.grad(lambda w: self.nll(w, x, y, update_stats=False), weights)
+        return self.nll(torch._foreach_add(weights, sam_ascent(grads, RHO)), x, y)
 
 
 CONFIGS = {"per tensor": False, "packed": True}  # configuration: the network packed in one latent site
