@@ -123,7 +123,7 @@ def fit_point(model, data, steps: int, *, rho: float = 0.0, swag: SWAGCollector 
     n = data.num_data
     epoch = math.ceil(n / BATCH)
     for step in range(steps):
-        idx = torch.randperm(n)[:BATCH]
+        idx = torch.randperm(n, device=data.x_train.device)[:BATCH]
         x, y = data.x_train[idx], data.y_train[idx]
         optim.zero_grad()
         if rho > 0:

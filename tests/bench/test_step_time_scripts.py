@@ -37,7 +37,8 @@ def test_step_time_script_runs_and_writes_its_table(name, tmp_path):
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")  # Pyro's JitTrace_ELBO
 @pytest.mark.slow
 def test_compiled_step_time_script_runs_and_writes_its_table(tmp_path):
-    """benchmarks/compiled.py at a tiny size, its compiled variants as captured graphs (no compilation time)."""
+    """benchmarks/compiled.py at a tiny size, its compiled variants as captured graphs and dynamo traces (no
+    compilation time), the compiled hand-written steps checked against the Pyro steps."""
     spec = importlib.util.spec_from_file_location("compiled", BENCHMARKS / "compiled.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -45,10 +46,12 @@ def test_compiled_step_time_script_runs_and_writes_its_table(tmp_path):
     module.main(["--repeats", "1", "--steps", "1", "--warmup", "3", "--draws", "10", "--jit-backend", "none",
                  "--warm-cache", "--out", str(out)])
     text = out.read_text()
-    assert "| ratio | eager | compiled | goal |" in text and "JitSharpnessAwareELBO" in text
+    assert "| compiled / compiled hand-written (the limit) |" in text and "JitSharpnessAwareELBO" in text
     assert "not compiled" in text and "nan" not in text.lower()
     rows = [line for line in text.splitlines() if line.startswith("| ") and " / torch " in line]
-    assert len(rows) == 7
+    assert len(rows) == 7 and all(len(row.split(" | ")) == 5 for row in rows)
+    assert all(f"| {name} | " in text for name in ("torch BBB-SAM", "torch KL-ball", "torch SGLD (idiomatic)"))
+    assert "- SharpnessAwareELBO vs torch BBB-SAM, compiled: " in text
 
 
 def test_compile_options_script_runs(tmp_path):
@@ -110,25 +113,26 @@ def test_mlp_steps_make_no_host_read_and_match_the_hand_written_steps():
 def test_gpu_check_runs_every_part_on_a_cpu(tmp_path):
     """benchmarks/gpu_check.py at toy size on the CPU: the CUDA tests (skipped here), the step table with its plain
     torch rows and compiled rows (torch.compile's dynamo traces, Pyro's captured graph), the goals computed from the
-    rows, and the harness with --compile (its captured graphs run with torch.compile disabled)."""
+    rows, and the harness (eager at this size)."""
     gpu_check = _load("gpu_check")
     out = tmp_path / "gpu_cpu.md"
-    text = gpu_check.main(["--smoke", "--device", "cpu", "--methods", "SAM",
+    text = gpu_check.main(["--smoke", "--device", "cpu", "--methods", "MAP",
                            "--pytest-args", str(BENCHMARKS.parent / "tests" / "test_readme.py"), "--out", str(out)])
     assert out.read_text() == text
     assert "## CUDA tests" in text and "## Steps" in text and "## Harness" in text and "exit code 0" in text
     assert "failed" not in text and "differs" not in text and "skipped" not in text
-    rows = {tuple(line.split(" | ")[:2]) for line in text.splitlines() if line.startswith(("| SAM |", "| plain "))}
-    assert rows == {("| SAM", v) for v in ("Pyro packed", "Pyro packed, compiled", "torch packed",
+    table = text.split("## Steps")[1].split("## Goals")[0]
+    rows = {tuple(line.split(" | ")[:2]) for line in table.splitlines() if line.startswith(("| MAP |", "| plain "))}
+    assert rows == {("| MAP", v) for v in ("Pyro packed", "Pyro packed, compiled", "torch packed",
                                            "torch packed, compiled")} | {
         ("| plain torch", v) for v in ("SGD", "SAM", "SGD, torch.compile(net) + fused SGD",
                                        "SAM, torch.compile(net) + fused SGD")}
-    goals = dict(line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| compiled SAM step"))
-    assert set(goals) == {"| compiled SAM step / plain torch eager SAM step",
-                          "| compiled SAM step / compiled hand-written step (the limit)"}
+    goals = dict(line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| compiled MAP step"))
+    assert set(goals) == {"| compiled MAP step / plain torch eager SGD step",
+                          "| compiled MAP step / compiled hand-written step (the limit)"}
     assert "–" not in goals.values()
     harness = text.split("## Harness")[1]
-    assert "--compile" in harness and "| cifar10/sam/seed 0" in harness
+    assert "| cifar10/map/seed 0" in harness
     assert json.loads(out.with_suffix(".json").read_text())[0]["method"] == "plain torch"
 
 
@@ -160,7 +164,7 @@ def test_hand_written_steps_draw_their_random_numbers_on_the_data_device():
 
 def test_check_same_step_refuses_steps_that_draw_different_random_numbers():
     """check_same_step compares the random draws of both sides first (device, size, order): a hand-written step that
-    draws its minibatch on another device, or before the noise, is refused instead of giving a meaningless difference."""
+    draws its minibatch on another device, or before the noise, is refused, not given a meaningless difference."""
     sharpness_aware_elbo, svi_steps = _load("sharpness_aware_elbo"), _load("_svi_steps")
     torch.set_default_dtype(torch.float32)
     pyro.enable_validation(False)
