@@ -168,9 +168,8 @@ def check_same_step(pyro_step, torch_step, seed: int = 11) -> float:
 
 def functional_forward(net: nn.Module) -> Callable:
     """``forward(weights, x, update_stats=True)``: ``net`` at the given weights (in ``net.parameters()``'s order).
-    With ``update_stats=False`` its buffers are fresh copies, so that BatchNorm's running statistics stay as they are:
-    the SAM-type steps update them once a step, in the perturbed pass, as Pyro's replayed passes do, and a gradient
-    taken with ``torch.func.grad`` cannot mutate tensors from outside it."""
+    With ``update_stats=False`` its buffers are fresh copies, so that BatchNorm's running statistics stay as they are
+    (a gradient taken with ``torch.func.grad`` cannot mutate tensors from outside it)."""
     names = [n for n, _ in net.named_parameters()]
 
     def forward(weights, x, update_stats: bool = True):
@@ -271,6 +270,12 @@ class TorchBBB:
         inner pass of a flat step)."""
         return F.cross_entropy(self.forward(weights, x, update_stats), y, reduction="sum") * (self.num_data / len(x))
 
+    def inner_nll(self, weights, x, y):
+        """The NLL of a flat step's inner (ascent) pass. Compiled, BatchNorm's running statistics are left alone
+        (``torch.func.grad`` cannot update them, and in the graph their copies cost nothing); eager, the pass updates
+        them as a hand-written SAM loop does (cheaper than copying them; they do not enter the loss)."""
+        return self.nll(weights, x, y, update_stats=not self.compiled)
+
     def grad(self, fn: Callable, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """:func:`gradient`, functional when the objective is compiled."""
         return gradient(fn, tensors, self.compiled)
@@ -329,7 +334,7 @@ class TorchMAP(TorchBBB):
         x, y = self.x[idx], self.y[idx]
         weights = self.locs
         if self.rho > 0:
-            grads = self.grad(lambda w: self.nll(w, x, y, update_stats=False), weights)
+            grads = self.grad(lambda w: self.inner_nll(w, x, y), weights)
             weights = torch._foreach_add(weights, sam_ascent(grads, self.rho))
         return self.nll(weights, x, y) - log_prior(self.locs)
 

@@ -44,9 +44,8 @@ class TorchKLBall(TorchBBB):
         n = len(self.locs)
 
         def nll_at(variational):  # the likelihood at the sample of (locs, raw scales) with this step's noise
-            return self.nll([m + F.softplus(u) * e for m, u, e in
-                             zip(variational[:n], variational[n:], noise, strict=True)], x, y,
-                            update_stats=False)
+            return self.inner_nll([m + F.softplus(u) * e for m, u, e in
+                                   zip(variational[:n], variational[n:], noise, strict=True)], x, y)
 
         grads = self.grad(nll_at, self.locs + self.raw_scales)
         directions = [

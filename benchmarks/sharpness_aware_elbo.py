@@ -40,7 +40,7 @@ class TorchBBBSAM(TorchBBB):
     """Bayes by backprop plus the SAM step on the sampled weights (the arithmetic of ``SharpnessAwareELBO``)."""
 
     def likelihood_nll(self, weights, scales, noise, x, y):
-        grads = self.grad(lambda w: self.nll(w, x, y, update_stats=False), weights)
+        grads = self.grad(lambda w: self.inner_nll(w, x, y), weights)
         return self.nll(torch._foreach_add(weights, sam_ascent(grads, RHO)), x, y)
 
 
