@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import statistics
 import subprocess
@@ -354,6 +355,17 @@ def variants(setup: Setup, args: argparse.Namespace) -> list[tuple[str, str, Cal
     return rows
 
 
+def release(step: object, device: torch.device, compiled: bool) -> None:
+    """Free a measured variant before the next: its tensors, and after a compiled one torch.compile's caches and CUDA
+    graph pools (the hand-written steps of one class share the code that dynamo caches, up to its recompile limit)."""
+    del step
+    gc.collect()
+    if compiled:
+        torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def step_table(setup: Setup, args: argparse.Namespace, deadline: float) -> tuple[list[str], list[dict]]:
     """The table's lines and its rows; what the time budget leaves out is noted."""
     rows, notes = [], []
@@ -362,6 +374,7 @@ def step_table(setup: Setup, args: argparse.Namespace, deadline: float) -> tuple
             notes.append(f"{method}: {label} skipped (time budget spent)")
             continue
         pyro.enable_validation(validation)
+        step = None
         try:
             step = make()
             if label.startswith("torch"):
@@ -375,6 +388,7 @@ def step_table(setup: Setup, args: argparse.Namespace, deadline: float) -> tuple
             continue
         finally:
             pyro.enable_validation(False)
+            release(step, setup.device, compiled="compile" in label)
         row["method"] = method
         rows.append(row)
     if "Entropy-SGLD" in args.methods:
