@@ -6,7 +6,8 @@ timing is ``_timing.py``'s.
 * :class:`TorchBBB`: a hand-written mean-field Bayes-by-backprop step with the same arithmetic as ``Trace_ELBO`` +
   ``AutoNormal`` (sampled weights ``loc + softplus(u) * eps``, sampled log prior and log guide, N/B-scaled
   cross-entropy, one backward, Adam), written as a user writes it: log densities in closed form (not
-  ``torch.distributions`` objects: a third of the elementwise work), fused Adam, random numbers drawn on the data's
+  ``torch.distributions`` objects, whose ``Normal(m, s).log_prob(w)`` makes about eight passes over the tensor forward
+  and twenty operations backward, the closed form two and four), fused Adam, random numbers drawn on the data's
   device; eager or ``torch.compile``'d; subclasses replace :meth:`TorchBBB.likelihood_nll` to add a flat step;
   :class:`TorchMAP` the same for MAP (``AutoDelta``: the weights themselves, log prior + likelihood), with SAM's
   second pass when ``rho > 0``;
@@ -226,7 +227,8 @@ def log_prior(weights: list[torch.Tensor]) -> torch.Tensor:
 
 def log_guide(noise: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     """``sum log N(w; m, s)`` at the sample ``w = m + s * noise``, in closed form: ``-noise^2 / 2 - log s - log(2 pi) /
-    2`` per weight (the same value and gradients as ``Normal(m, s).log_prob(w)``, a third of the operations)."""
+    2`` per weight (the same value and gradients as ``Normal(m, s).log_prob(w)``, with two passes over the tensor
+    instead of about eight)."""
     return -sum(0.5 * e.square().sum() + s.log().sum() + HALF_LOG_2PI * e.numel()
                 for e, s in zip(noise, scales, strict=True))
 
