@@ -12,11 +12,12 @@ Pyro steps: ``TensorSVI.step`` (``pyro.optim.Adam``, ``foreach=True`` as on a GP
 MAP (``AutoDelta`` + ``TensorTrace_ELBO``), VI (``AutoNormal`` + ``TensorTrace_ELBO``), SAM (``AutoDelta`` +
 ``SharpnessAwareELBO(0.05)``), F-VI (``AutoNormal`` + ``SharpnessAwareELBO(0.05)``), KL ball (``AutoNormal`` +
 ``KLBallELBO(0.01)``); ``SGLD`` and ``EntropyMCMC`` kernel transitions. ``SVI.step`` makes one read more per step
-(the float it hands back). Hand-written steps (``_svi_steps.py``, ``compiled.py``; ``torch.optim.Adam``,
-``foreach=True``): MAP, SAM, Bayes by backprop, + SAM, + the KL-ball step, SGLD; each per tensor and packed (one flat
-vector viewed into the network: the same arithmetic as the packed Pyro step), the ratio taken against the cheaper of
-the two. Before counting, each Pyro step and its hand-written steps are checked to compute the same loss and
-gradients (one step from the same seed, same minibatch and noise).
+(the float it hands back). Hand-written steps (``_svi_steps.py``, :class:`TorchSGLDStep`; log densities in closed
+form; ``torch.optim.Adam``, ``foreach=True``): MAP, SAM, Bayes by backprop, + SAM, + the KL-ball step, SGLD; each per
+tensor and packed (one flat vector viewed into the network: the same arithmetic as the packed Pyro step), the ratio
+taken against the cheaper of the two. Before counting, each Pyro step and its hand-written steps are checked to draw
+the same random numbers and compute the same loss and gradients (one step from the same seed; SGLD: the same
+gradient and transition).
 
 Run: ``python benchmarks/step_ops.py`` (MLP 64-256-256-10, batch 128, and ResNet-18 width 8, batch 16; about two
 minutes; writes ``benchmarks/results/step_ops.md``).
