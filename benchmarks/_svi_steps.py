@@ -46,7 +46,7 @@ HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 def mlp_model() -> BayesianMLP:
     """The Bayesian MLP 64-256-256-10 (prior N(0, 1) on every weight)."""
-    return BayesianMLP(64, 10, HIDDEN)
+    return BayesianMLP(64, 10, HIDDEN, packed=False)
 
 
 def _mlp_forward(weights, x, update_stats: bool = True):
@@ -364,7 +364,7 @@ class Network:
                     target.copy_(value)
             self.torch_params = list(net.parameters())
             # the Pyro model starts from the hand-written network's weights (same arithmetic, same numbers)
-            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net)), 10)
+            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net), packed=False), 10)
             self.make_net = lambda: copy.deepcopy(net)
         elif name == "resnet18":
             generator = torch.Generator().manual_seed(0)
@@ -376,7 +376,7 @@ class Network:
             self.describe = (f"ResNet-18{'' if width == 64 else f' (width {width})'}, CIFAR stem, BatchNorm, "
                              f"{size / 1e6:.1f} M latent weights, on CIFAR-shaped synthetic data (N = {num_data}), "
                              f"minibatch {batch}")
-            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net)), 10)
+            self.make_model = lambda: BayesianClassifier(make_bayesian(copy.deepcopy(net), packed=False), 10)
             self.torch_params = list(net.parameters())
             self.torch_forward = functional_forward(net)
             self.make_net = lambda: copy.deepcopy(net)

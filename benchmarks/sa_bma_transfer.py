@@ -165,7 +165,7 @@ def run_seed(dataset: str, seed: int, args) -> list[dict]:
 
     def new_model():
         pyro.clear_param_store()
-        return bayesian_transfer(net, len(TARGET), prior_scale=0.1, head_prior_scale=1.0)
+        return bayesian_transfer(net, len(TARGET), prior_scale=0.1, head_prior_scale=1.0, packed=False)
 
     def record(method, posterior, seconds):
         pyro.set_rng_seed(10_000 + seed)
