@@ -125,7 +125,7 @@ class PlainBSAM:
 
 def torch_variants(x: torch.Tensor, y: torch.Tensor) -> dict[str, callable]:
     n = len(x)
-    idx = torch.randperm(n)[:BATCH]
+    idx = torch.randperm(n, device=x.device)[:BATCH]
     xb, yb = x[idx], y[idx]
     nets = {name: make_net(0) for name in ("adam", "sam", "bsam", "plain_sam", "plain_bsam", "plain_adam")}
 
@@ -172,7 +172,7 @@ def torch_variants(x: torch.Tensor, y: torch.Tensor) -> dict[str, callable]:
 
 def pyro_variants(x: torch.Tensor, y: torch.Tensor) -> dict[str, callable]:
     n = len(x)
-    idx = torch.randperm(n)[:BATCH]
+    idx = torch.randperm(n, device=x.device)[:BATCH]
     xb, yb = x[idx], y[idx]
     out = {}
     guides = {}

@@ -13,7 +13,9 @@ inside every repeat (the machine is shared and noisy; the order alternates betwe
   weights ``loc + softplus(u) * eps``, sampled log prior and log guide, N/B-scaled cross-entropy, one backward, Adam);
 * ``torch KL-ball``: the same plus the KL-ball step — the gradient of the NLL in ``(loc, u)``, the closed-form
   Fisher-preconditioned perturbation, a second forward at ``(loc + d_loc) + softplus(u + d_u) * eps`` with the same
-  ``eps``, the likelihood there and prior/guide at the unperturbed sample: the arithmetic of ``KLBallELBO``.
+  ``eps``, the likelihood there and prior/guide at the unperturbed sample: the arithmetic of ``KLBallELBO``; and the
+  same step ``torch.compile``'d in one graph (``--jit-backend``), the limit of a step. The hand-written steps are
+  ``_svi_steps.py``'s: log densities in closed form, fused Adam.
 
 Run: ``python benchmarks/kl_ball_elbo.py [--repeats 15] [--steps 20]``; writes ``benchmarks/results/kl_ball_elbo.md``.
 """
@@ -41,9 +43,13 @@ class TorchKLBall(TorchBBB):
     """Bayes by backprop plus the Fisher-preconditioned KL-ball step of ``KLBallELBO``."""
 
     def likelihood_nll(self, weights, scales, noise, x, y):
-        nll = self.nll(weights, x, y)
-        grads = torch.autograd.grad(nll, self.locs + self.raw_scales, retain_graph=True)
         n = len(self.locs)
+
+        def nll_at(variational):  # the likelihood at the sample of (locs, raw scales) with this step's noise
+            return self.inner_nll([m + F.softplus(u) * e for m, u, e in
+                                   zip(variational[:n], variational[n:], noise, strict=True)], x, y)
+
+        grads = self.grad(nll_at, self.locs + self.raw_scales)
         directions = [
             diagonal_gaussian_inverse_fisher_product(m_grad, u_grad, s.detach(), torch.sigmoid(u.detach()))
             for m_grad, u_grad, u, s in zip(grads[:n], grads[n:], self.raw_scales, scales, strict=True)
@@ -58,6 +64,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--jit-backend", default="inductor", help="torch.compile backend of the compiled torch step")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kl_ball_elbo.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -85,10 +92,12 @@ def main(argv=None):
         f"KLBallELBO (fisher) + AutoLowRankPlusDiagonalNormal (K={RANK})": pyro_step(KLBallELBO(RADIUS), low_rank),
         "torch BBB": network.torch_step(TorchBBB),
         "torch KL-ball": network.torch_step(TorchKLBall),
+        "torch KL-ball, compiled": network.torch_step(TorchKLBall, {"backend": args.jit_backend, "fullgraph": True}),
     }
     checks = {f"{a} vs {b}": check_same_step(variants[a], variants[b]) for a, b in (
-        ("Trace_ELBO + AutoNormal", "torch BBB"), ("KLBallELBO (fisher) + AutoNormal", "torch KL-ball"))}
-    times = interleaved_times(variants, args.repeats, args.steps)
+        ("Trace_ELBO + AutoNormal", "torch BBB"), ("KLBallELBO (fisher) + AutoNormal", "torch KL-ball"),
+        ("KLBallELBO (fisher) + AutoNormal", "torch KL-ball, compiled"))}
+    times = interleaved_times(variants, args.repeats, args.steps, warmup=2)
     med = medians_ms(times)
     lr = f"(K={RANK})"
     rows = [
@@ -101,6 +110,8 @@ def main(argv=None):
          med[f"Trace_ELBO + AutoLowRankPlusDiagonalNormal {lr}"], "≤ 2.2"),
         ("KLBallELBO (fisher) + AutoNormal / torch KL-ball", med["KLBallELBO (fisher) + AutoNormal"],
          med["torch KL-ball"], "(Pyro's overhead on the flat step)"),
+        ("KLBallELBO (fisher) + AutoNormal / torch KL-ball compiled", med["KLBallELBO (fisher) + AutoNormal"],
+         med["torch KL-ball, compiled"], "(the limit of a step)"),
         ("torch KL-ball / torch BBB", med["torch KL-ball"], med["torch BBB"], "(the two-pass floor, ≈ 2)"),
         ("Trace_ELBO + AutoNormal / torch BBB", med["Trace_ELBO + AutoNormal"], med["torch BBB"],
          "(Pyro's overhead on the baseline)"),

@@ -225,7 +225,7 @@ class OptimizerStep:
         self.optimizer = make_optimizer(self.net)
 
     def step(self) -> None:
-        idx = torch.randperm(len(self.network.x))[: self.network.batch]
+        idx = torch.randperm(len(self.network.x), device=self.network.x.device)[: self.network.batch]
         x, y = self.network.x[idx], self.network.y[idx]
 
         def loss_fn():

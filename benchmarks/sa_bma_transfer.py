@@ -123,7 +123,7 @@ def fit_point(model, data, steps: int, *, rho: float = 0.0, swag: SWAGCollector 
     n = data.num_data
     epoch = math.ceil(n / BATCH)
     for step in range(steps):
-        idx = torch.randperm(n)[:BATCH]
+        idx = torch.randperm(n, device=data.x_train.device)[:BATCH]
         x, y = data.x_train[idx], data.y_train[idx]
         optim.zero_grad()
         if rho > 0:
@@ -165,7 +165,7 @@ def run_seed(dataset: str, seed: int, args) -> list[dict]:
 
     def new_model():
         pyro.clear_param_store()
-        return bayesian_transfer(net, len(TARGET), prior_scale=0.1, head_prior_scale=1.0)
+        return bayesian_transfer(net, len(TARGET), prior_scale=0.1, head_prior_scale=1.0, packed=False)
 
     def record(method, posterior, seconds):
         pyro.set_rng_seed(10_000 + seed)

@@ -92,7 +92,7 @@ class TorchSameArithmetic:
         self.params = {f"{int(k.split('.')[0]) - 1}.{k.split('.')[1]}": v for k, v in self.params.items()}
 
     def potential(self, params):
-        idx = torch.randperm(self.n)[:BATCH]
+        idx = torch.randperm(self.n, device=self.x.device)[:BATCH]
         logits = functional_call(self.net, params, (self.x[idx],))
         log_lik = torch.distributions.Categorical(logits=logits).log_prob(self.y[idx]).sum() * (self.n / BATCH)
         log_prior = sum(
@@ -128,7 +128,7 @@ class TorchIdiomatic:
     def __call__(self):
         scale = math.sqrt(2 * STEP)
         for _ in range(self.steps):
-            idx = torch.randperm(self.n)[:BATCH]
+            idx = torch.randperm(self.n, device=self.x.device)[:BATCH]
             loss = F.cross_entropy(self.net(self.x[idx]), self.y[idx], reduction="sum") * (self.n / BATCH)
             loss = loss + 0.5 * sum((p * p).sum() for p in self.params)
             grads = torch.autograd.grad(loss, self.params)

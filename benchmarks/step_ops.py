@@ -12,11 +12,12 @@ Pyro steps: ``TensorSVI.step`` (``pyro.optim.Adam``, ``foreach=True`` as on a GP
 MAP (``AutoDelta`` + ``TensorTrace_ELBO``), VI (``AutoNormal`` + ``TensorTrace_ELBO``), SAM (``AutoDelta`` +
 ``SharpnessAwareELBO(0.05)``), F-VI (``AutoNormal`` + ``SharpnessAwareELBO(0.05)``), KL ball (``AutoNormal`` +
 ``KLBallELBO(0.01)``); ``SGLD`` and ``EntropyMCMC`` kernel transitions. ``SVI.step`` makes one read more per step
-(the float it hands back). Hand-written steps (``_svi_steps.py``, ``compiled.py``; ``torch.optim.Adam``,
-``foreach=True``): MAP, SAM, Bayes by backprop, + SAM, + the KL-ball step, SGLD; each per tensor and packed (one flat
-vector viewed into the network: the same arithmetic as the packed Pyro step), the ratio taken against the cheaper of
-the two. Before counting, each Pyro step and its hand-written steps are checked to compute the same loss and
-gradients (one step from the same seed, same minibatch and noise).
+(the float it hands back). Hand-written steps (``_svi_steps.py``, :class:`TorchSGLDStep`; log densities in closed
+form; ``torch.optim.Adam``, ``foreach=True``): MAP, SAM, Bayes by backprop, + SAM, + the KL-ball step, SGLD; each per
+tensor and packed (one flat vector viewed into the network: the same arithmetic as the packed Pyro step), the ratio
+taken against the cheaper of the two. Before counting, each Pyro step and its hand-written steps are checked to draw
+the same random numbers and compute the same loss and gradients (one step from the same seed; SGLD: the same
+gradient and transition).
 
 Run: ``python benchmarks/step_ops.py`` (MLP 64-256-256-10, batch 128, and ResNet-18 width 8, batch 16; about two
 minutes; writes ``benchmarks/results/step_ops.md``).
@@ -33,7 +34,15 @@ import pyro
 import torch
 import torch.nn.functional as F
 from _report import write_markdown
-from _svi_steps import PyroStep, TorchBBB, TorchMAP, check_same_step, packed_torch
+from _svi_steps import (
+    PyroStep,
+    RandomDraws,
+    TorchBBB,
+    TorchMAP,
+    check_same_draws,
+    check_same_step,
+    packed_torch,
+)
 from _timing import environment
 from compiled import STEP_SIZE, Network
 from kl_ball_elbo import RADIUS, TorchKLBall
@@ -117,24 +126,69 @@ class KernelStep:
 
 
 class TorchSGLDStep:
-    """Hand-written SGLD on a list of weight tensors (per tensor or one packed vector): ``F.cross_entropy(sum) * N/B +
-    |w|^2 / 2`` (the N(0, 1) prior), autograd, Langevin update."""
+    """Hand-written SGLD on a list of weight tensors (per tensor or one packed vector): the potential
+    ``F.cross_entropy(sum) * N/B + |w|^2 / 2`` (the N(0, 1) prior), its gradient, the Langevin update. :meth:`draw`
+    draws the minibatch, then the noise, on the data's device (the kernel's order and generator); with
+    ``compile_options`` the potential is ``torch.compile``'d (its forward and backward graphs, as
+    ``jit_compile=True`` compiles the kernel's gradient evaluation), the draws and the update staying eager."""
 
-    def __init__(self, network: Network, params: list[torch.Tensor], forward: Callable) -> None:
-        self.network, self.forward = network, forward
+    def __init__(self, x, y, params: list[torch.Tensor], forward: Callable, batch: int, *,
+                 compile_options: dict | None = None) -> None:
+        self.x, self.y, self.batch, self.forward = x, y, batch, forward
         self.params = [p.detach().clone() for p in params]
         self.noise_scale = (2 * STEP_SIZE) ** 0.5
+        self.potential = self._potential if compile_options is None else torch.compile(self._potential,
+                                                                                         **compile_options)
+
+    def draw(self) -> tuple:
+        idx = torch.randperm(len(self.x), device=self.x.device)[: self.batch]
+        return idx, [torch.randn_like(p) for p in self.params]
+
+    def _potential(self, weights: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+        x, y = self.x[idx], self.y[idx]
+        nll = F.cross_entropy(self.forward(weights, x), y, reduction="sum") * (len(self.x) / len(x))
+        return nll + 0.5 * sum((w * w).sum() for w in weights)
+
+    def transition(self, params: list[torch.Tensor], idx: torch.Tensor, noise: list[torch.Tensor]) -> list:
+        leaves = [p.detach().requires_grad_() for p in params]
+        grads = torch.autograd.grad(self.potential(leaves, idx), leaves)
+        with torch.no_grad():
+            moved = torch._foreach_add(leaves, grads, alpha=-STEP_SIZE)
+            return torch._foreach_add(moved, noise, alpha=self.noise_scale)
 
     def __call__(self) -> None:
-        x, y, batch = self.network.x, self.network.y, self.network.batch
-        idx = torch.randperm(len(x))[:batch]
-        leaves = [p.requires_grad_() for p in self.params]
-        loss = F.cross_entropy(self.forward(leaves, x[idx]), y[idx], reduction="sum") * (len(x) / batch)
-        loss = loss + 0.5 * sum((p * p).sum() for p in leaves)
-        grads = torch.autograd.grad(loss, leaves)
-        with torch.no_grad():
-            self.params = [p - STEP_SIZE * g + self.noise_scale * torch.randn_like(p)
-                           for p, g in zip(leaves, grads, strict=True)]
+        self.params = self.transition(self.params, *self.draw())
+
+
+def check_same_transition(kernel_step: KernelStep, torch_step: TorchSGLDStep, seed: int = 11) -> float:
+    """The largest relative difference between an SGLD kernel and the hand-written SGLD step, from the same weights and
+    seed (the same minibatch and noise): of the gradients of their potentials, and of one transition's moves
+    ``new - old`` (which the noise dominates).
+
+    :raises ValueError: if the two do not draw the same random numbers on the same devices (:func:`check_same_draws`).
+    """
+    start = {name: value.detach().clone() for name, value in kernel_step.params.items()}
+    pyro.set_rng_seed(seed)
+    leaves = [value.clone().requires_grad_() for value in start.values()]
+    grads = torch.autograd.grad(kernel_step.kernel.potential_fn(dict(zip(start, leaves, strict=True))), leaves)
+    pyro.set_rng_seed(seed)
+    torch_leaves = [p.detach().clone().requires_grad_() for p in torch_step.params]
+    torch_grads = torch.autograd.grad(torch_step.potential(torch_leaves, torch_step.draw()[0]), torch_leaves)
+    pyro.set_rng_seed(seed)
+    with RandomDraws() as kernel_draws:
+        new = kernel_step.kernel.sample(start)
+    pyro.set_rng_seed(seed)
+    with RandomDraws() as torch_draws:
+        draws = torch_step.draw()
+    check_same_draws(kernel_draws.draws, torch_draws.draws)
+    torch_new = torch_step.transition(torch_step.params, *draws)
+
+    def flat(tensors) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    move, torch_move = flat(new[n] - start[n] for n in start), flat(torch_new) - flat(torch_step.params)
+    return max(((flat(grads) - flat(torch_grads)).norm() / flat(torch_grads).norm()).item(),
+               ((move - torch_move).norm() / torch_move.norm()).item())
 
 
 def torch_step(network: Network, cls: type, packed: bool, **options: object) -> TorchBBB:
@@ -148,7 +202,7 @@ def torch_sgld(network: Network, packed: bool) -> TorchSGLDStep:
     params, forward = network.torch_params, network.torch_forward
     if packed:
         params, forward = packed_torch(params, forward)
-    return TorchSGLDStep(network, params, forward)
+    return TorchSGLDStep(network.x, network.y, params, forward, network.batch)
 
 
 METHODS: dict[str, tuple] = {
@@ -174,6 +228,7 @@ def measure(network: Network, methods: list[str], steps: int = 2) -> list[dict]:
             hand = None
             if torch_cls == "sgld":
                 hand = torch_sgld(network, packed)
+                row[f"check {key}"] = check_same_transition(step, hand)  # from the same start, before any step
             elif torch_cls is not None:
                 hand = torch_step(network, torch_cls, packed, **options)
                 row[f"check {key}"] = check_same_step(step, hand)  # from the same start, before any step
