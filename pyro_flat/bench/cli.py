@@ -470,8 +470,8 @@ def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"--pretrained {args.pretrained}: no such file")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: exists and is not a folder")
-    if not args.dist_timeout > 0:
-        parser.error(f"--dist-timeout must be a number of minutes > 0, got {args.dist_timeout:g}")
+    if not 0 < args.dist_timeout <= 1e6:  # a timedelta holds no more than ~1.6e9 minutes; inf and nan are no timeout
+        parser.error(f"--dist-timeout must be a number of minutes in (0, 1e6], got {args.dist_timeout:g}")
 
 
 def write_data(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

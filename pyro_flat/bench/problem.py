@@ -164,11 +164,12 @@ class Problem:
 
     @property
     def compiled(self) -> bool:
-        """Whether the method trains through its compiled step: ``config.compile``, or with ``None`` on CUDA for at
-        least :data:`~pyro_flat.bench.config.COMPILE_AUTO_STEPS` steps."""
+        """Whether the method trains through its compiled step: ``config.compile``, or with ``None`` in one process on
+        CUDA for at least :data:`~pyro_flat.bench.config.COMPILE_AUTO_STEPS` steps."""
         if self.config.compile is not None:
             return self.config.compile
-        return self.data.device.type == "cuda" and self.num_steps >= COMPILE_AUTO_STEPS
+        # one process only: the compiled steps inside DistributedDataParallel are not measured on a GPU yet
+        return self.data.device.type == "cuda" and not self.distributed and self.num_steps >= COMPILE_AUTO_STEPS
 
     def base_loss(self) -> TensorTrace_ELBO:
         """The non-flat ELBO of the run's methods: ``TensorTrace_ELBO``, or its compiled form ``JitTensorTrace_ELBO``

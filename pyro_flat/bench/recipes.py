@@ -28,6 +28,7 @@ from .files import atomic_write_text, output_lock
 from .options import check_option_values
 from .registry import check_method_options
 from .report import summarise
+from .runner import check_jobs
 from .session import DEFAULT_TIMEOUT, init_distributed, run_and_report, shutdown_distributed
 
 __all__ = ["RECIPES", "PaperRow", "Recipe", "Stage", "run_recipe"]
@@ -483,8 +484,9 @@ def check_recipe(
     recipe: Recipe, preset: str, changes: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]], out: Path,
 ) -> list[tuple[RunConfig, tuple[str, ...]]]:
     """Everything a recipe needs, checked before its first stage starts, for every preset: the data folder and its
-    files, the pretrained weights (readable, a torchvision ``resnet18`` state dict), and every stage's configuration
-    and option values; returns each stage's ``(config, methods)``.
+    files, the pretrained weights (readable, a torchvision ``resnet18`` state dict), and every stage's configuration,
+    option values and jobs (:func:`~pyro_flat.bench.runner.check_jobs`: the device, what each method is bound to fail
+    on); returns each stage's ``(config, methods)``.
 
     :raises ValueError: naming the flag, file or option at fault.
     """
@@ -497,7 +499,7 @@ def check_recipe(
                              "pass --pretrained FILE (torchvision's resnet18 state dict)")
         _check_resnet18_weights(Path(changes["pretrained"]))
     setups = [stage_setup(recipe, stage, preset, changes, options, out) for stage in recipe.stages]
-    for stage, (config, _) in zip(recipe.stages, setups, strict=True):
+    for stage, (config, methods) in zip(recipe.stages, setups, strict=True):
         check_method_options(config.options)
         check_option_values(config)
         for dataset in stage.datasets:
@@ -505,6 +507,7 @@ def check_recipe(
                 check_vision_files(dataset, root)
             except FileNotFoundError as error:
                 raise ValueError(f"--data-root: {error}") from error
+        check_jobs(stage.datasets, methods, config)  # the device, each method's own check: every stage, up front
     return setups
 
 

@@ -41,8 +41,8 @@ class MethodSpec:
     :param reference: the paper the method comes from.
     :param options: the per-method hyperparameters ``fit`` reads with :meth:`~pyro_flat.bench.problem.Problem.option`
         (``--set NAME.KEY=VALUE``); any other key is refused before a run starts.
-    :param check: ``check(problem)`` raises a ``ValueError`` (naming the flags to change) for a configuration ``fit``
-        is bound to fail on, without training: called for every job before the first starts
+    :param check: ``check(problem, name)`` raises a ``ValueError`` (naming the flags to change) for a configuration
+        ``fit`` is bound to fail on, without training: called for every job before the first starts
         (:func:`~pyro_flat.bench.runner.check_jobs`; ``problem.data`` is on the CPU, its context does nothing).
     """
 
@@ -52,7 +52,7 @@ class MethodSpec:
     baseline: str | None = None
     reference: str = ""
     options: tuple[str, ...] = ()
-    check: Callable | None = None
+    check: Callable[..., None] | None = None  # check(problem, name)
 
 
 METHODS: dict[str, MethodSpec] = {}

@@ -374,7 +374,9 @@ def _run_jobs(
                     done.parent.mkdir(parents=True, exist_ok=True)
                     atomic_save(vars(record) | {"fingerprint": fingerprint}, done)
         except Exception as error:
-            if on_failure == "raise" or ends_the_run(error):
+            # data-parallel, a job that fails on one rank (a NaN in its shard) must not go on alone: the others are
+            # still in the job's collectives, so the run ends (torchrun stops every rank; finished jobs are on disk)
+            if on_failure == "raise" or ends_the_run(error) or is_distributed():
                 raise
             reason = failure_reason(context, error, run_log if writer else None, directory)
             if writer:

@@ -11,8 +11,9 @@ are not random are either frozen (turned into buffers, so no Pyro optimiser touc
 ``pyro.param`` sites.
 
 **Tied weights.** A parameter tensor held by several modules (weight tying, ``decoder.weight = encoder.weight``, a
-module used twice) is *one* latent site with one prior, the site of its first holder in module order; at each call
-of the network its value is put into every other holder (a forward pre-hook of the module given to
+module used twice) is *one* latent site with one prior, held by its first holder in module order and named as Pyro
+names that module (a module used twice has the later of its names: ``Sequential(lin, act, lin)`` gives ``"2.weight"``);
+at each call of the network its value is put into every other holder (a forward pre-hook of the module given to
 :func:`make_bayesian`). It is random if any of its names is selected by ``random``.
 
 **Layers.** Any layer whose forward reads its parameters as attributes works (linear, convolutions, embeddings,

@@ -500,8 +500,11 @@ class CapturedFunction:
         return [draw() for draw in self.draws]
 
     def compile(self, options: Mapping[str, Any]) -> None:
-        """Evaluate through ``torch.compile(graph, fullgraph=True, dynamic=False, **options)`` from now on; the
-        compilation happens at the next call, whose wall time is kept in :attr:`compile_seconds`.
+        """Evaluate through ``torch.compile(graph, dynamic=False, **options)`` from now on; the compilation happens at
+        the next call, whose wall time is kept in :attr:`compile_seconds`. The graph is one FX graph of ATen
+        operations, which torch.compile takes in one piece; ``fullgraph=True`` is not set because torch 2.11 then also
+        refuses the generator frames that run *during* a compiled call (e.g. a logging handler's), which are not part
+        of the graph.
 
         Defaults by device, unless ``options`` set a ``mode`` or inductor ``options``: on CUDA,
         ``mode="reduce-overhead"``, so that a step replays a CUDA graph (one launch for the step's kernels; the

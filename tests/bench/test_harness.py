@@ -245,6 +245,7 @@ def test_cli_help_is_plain_text_and_explains_every_preset(capsys):
     (["--lr", "-0.5"], "--lr must be a finite number > 0, got -0.5"),
     (["--bma-samples", "0"], "--bma-samples must be an int >= 1, got 0"),
     (["--batch-size", "0"], "--batch-size must be an int >= 1, got 0"),
+    (["--dist-timeout", "inf"], "--dist-timeout must be a number of minutes in (0, 1e6], got inf"),
 ])
 def test_cli_errors_name_the_flag_that_was_typed(argv, message, capsys):
     """``--epochs -1`` said ``RunConfig: `num_epochs` must be ...``: a name the user never typed."""
