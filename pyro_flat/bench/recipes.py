@@ -507,7 +507,7 @@ def check_recipe(
                 check_vision_files(dataset, root)
             except FileNotFoundError as error:
                 raise ValueError(f"--data-root: {error}") from error
-        check_jobs(stage.datasets, methods, config)  # the device, each method's own check: every stage, up front
+        check_jobs(stage.datasets, methods, config, files=False)  # the device, each method's own check, up front
     return setups
 
 

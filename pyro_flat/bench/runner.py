@@ -184,12 +184,14 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device}: this machine has {count} {parsed.type} device(s), numbered from 0")
 
 
-def check_jobs(datasets: Sequence[str], methods: Sequence[str], config: RunConfig) -> None:
+def check_jobs(datasets: Sequence[str], methods: Sequence[str], config: RunConfig, *, files: bool = True) -> None:
     """Refuse, before any training, what the jobs are bound to fail on: unknown names, the device, option values a
     method would refuse, a batch the ranks cannot share equally, options that do not run data-parallel, and each
     method's own check (:class:`~pyro_flat.bench.registry.MethodSpec`: e.g. a SWAG schedule collecting fewer
     snapshots than its guide needs, an SG-MCMC method under ``torchrun``) on every dataset, read once.
 
+    :param files: check that every file an option reads exists or is written by one of ``methods`` (a recipe's
+        stage reads files its earlier stages write: it checks them itself).
     :raises ValueError: naming the flag, method or option at fault (``FileNotFoundError`` for a missing data file).
     """
     names = dataset_names()
@@ -201,7 +203,7 @@ def check_jobs(datasets: Sequence[str], methods: Sequence[str], config: RunConfi
         raise ValueError(f"--model {config.model}: unknown model; known models: {', '.join(sorted(MODELS))}")
     check_device(config.device)
     check_method_options(config.options)
-    check_option_values(config, methods)
+    check_option_values(config, methods if files else None)
     for dataset in datasets:
         problem = Problem(load_data(dataset, config), config)
         shard = problem.shard_size  # raises if the ranks cannot share the batch equally
